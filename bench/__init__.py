@@ -1,0 +1,2 @@
+"""kvtier's benchmarks: each hot path measured beside its floor (memcpy, raw transport) or a peer
+in the same run. Run them with ``kvtier bench ...``; they are not tests and assert no timings."""

@@ -1,0 +1,272 @@
+"""``kvtier bench ...``: benchmark commands. Each prints a table and can write JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ByteSize, TypeAdapter
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against floors and peers.")
+
+JsonOut = Annotated[Path | None, typer.Option("--json", help="also write the report here")]
+_bytes = TypeAdapter(ByteSize)
+
+
+def _sizes(value: str) -> list[int]:
+    return [int(_bytes.validate_python(v.strip())) for v in value.split(",") if v.strip()]
+
+
+def _write(report: dict, path: Path | None) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        typer.echo(f"wrote {path}")
+
+
+@bench_app.command("pool")
+def bench_pool(
+    mode: Annotated[str, typer.Option(help="process (a real store over gRPC) | embedded")] = (
+        "process"
+    ),
+    sizes: Annotated[str, typer.Option(help="chunk sizes")] = "64KiB,256KiB,1MiB,4MiB,16MiB",
+    total: Annotated[str, typer.Option(help="bytes moved per round")] = "256MiB",
+    batch_bytes: Annotated[str, typer.Option(help="bytes per control call")] = "64MiB",
+    repeat: Annotated[int, typer.Option(help="rounds; the best is kept")] = 3,
+    json_out: JsonOut = None,
+) -> None:
+    """DRAM pool put/get throughput beside memcpy, and the control API's per-chunk cost."""
+    from kvtier.bench import pool
+
+    if mode not in ("process", "embedded"):
+        raise typer.BadParameter("mode must be process or embedded")
+    report = pool.run(
+        mode,
+        _sizes(sizes),
+        int(_bytes.validate_python(total)),
+        int(_bytes.validate_python(batch_bytes)),
+        repeat,
+    )
+    pool.print_report(report)
+    _write(report, json_out)
+
+
+@bench_app.command("keys")
+def bench_keys(
+    tokens: Annotated[int, typer.Option(help="prompt length")] = 131072,
+    chunk_tokens: Annotated[int, typer.Option()] = 256,
+    json_out: JsonOut = None,
+) -> None:
+    """Chunk keys per second for a long prompt (XXH3-128 vs BLAKE3 vs SHA-256)."""
+    from kvtier.bench import keys
+
+    report = keys.run(tokens, chunk_tokens)
+    keys.print_report(report)
+    _write(report, json_out)
+
+
+@bench_app.command("remote")
+def bench_remote(
+    sizes: Annotated[str, typer.Option(help="chunk sizes")] = "64KiB,256KiB,1MiB,4MiB,16MiB",
+    batch: Annotated[int, typer.Option(help="chunks per batched call (one request's run)")] = 16,
+    total: Annotated[str, typer.Option(help="bytes per measurement (caps iterations)")] = (
+        "128MiB"
+    ),
+    repeat: Annotated[int, typer.Option(help="interleaved rounds; each system's best")] = 3,
+    mooncake_store: Annotated[
+        bool, typer.Option("--mooncake-store/--no-mooncake-store", help="also run the peer")
+    ] = True,
+    json_out: JsonOut = None,
+) -> None:
+    """Remote get latency/throughput: kvtier Fetch vs the raw transfer engine vs Mooncake Store."""
+    from kvtier.bench import remote
+
+    report = remote.run(
+        _sizes(sizes),
+        batch,
+        int(_bytes.validate_python(total)),
+        repeat=repeat,
+        mooncake_store=mooncake_store,
+    )
+    remote.print_report(report)
+    _write(report, json_out)
+
+
+@bench_app.command("tier-latency")
+def bench_tier_latency(
+    lengths: Annotated[str, typer.Option(help="prefix lengths (tokens)")] = "2048,4096,8192",
+    reps: Annotated[int, typer.Option(help="prompts per length")] = 5,
+    configs: Annotated[str, typer.Option(help="kvtier, baseline (no connector), peers")] = (
+        "kvtier,baseline"
+    ),
+    model: Annotated[str | None, typer.Option(help="model dir (default: a random preset)")] = None,
+    preset: Annotated[str, typer.Option(help="random model preset")] = "cpu-bench",
+    suffix: Annotated[
+        int, typer.Option(help="new tokens after the reused prefix (0: resend it unchanged)")
+    ] = 0,
+    out: Annotated[Path, typer.Option(help="folder for JSON and PNG")] = Path(
+        "results/tier-latency"
+    ),
+) -> None:
+    """TTFT of miss / GPU hit / DRAM hit (and peers) by prefix length, tiers verified."""
+    from kvtier.bench import tier_latency
+
+    report = tier_latency.run(
+        [int(x) for x in lengths.split(",")],
+        reps,
+        [c.strip() for c in configs.split(",")],
+        model=model,
+        preset=preset,
+        suffix=suffix,
+        progress=typer.echo,
+    )
+    tier_latency.print_report(report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tier-latency.json").write_text(json.dumps(tier_latency.to_json(report), indent=2))
+    tier_latency.plot(report, out / "tier-latency.png")
+    typer.echo(f"wrote {out}/tier-latency.json and tier-latency.png")
+
+
+@bench_app.command("connector-overhead")
+def bench_connector_overhead(
+    cached: Annotated[str, typer.Option(help="chunks held by the store")] = "0,1000,10000,100000",
+    json_out: JsonOut = None,
+) -> None:
+    """Scheduler-side connector µs per engine step vs chunks held by the node store."""
+    from kvtier.bench import connector_overhead
+
+    rows = connector_overhead.run([int(x) for x in cached.split(",")])
+    connector_overhead.print_report(rows)
+    _write({"rows": rows}, json_out)
+
+
+@bench_app.command("index")
+def bench_index(
+    backends: Annotated[str, typer.Option(help="memory,redis")] = "memory,redis",
+    entries: Annotated[int, typer.Option(help="chunk entries in the index")] = 1_000_000,
+    instances: Annotated[int, typer.Option(help="vLLM instances holding them")] = 64,
+    tokens: Annotated[int, typer.Option(help="prompt length asked about")] = 131072,
+    queries: Annotated[int, typer.Option(help="timed queries (Redis: a quarter)")] = 2000,
+    redis_url: Annotated[
+        str | None, typer.Option(help="a Redis to use (default: start one on a free port)")
+    ] = None,
+    ingest_prompts: Annotated[int, typer.Option(help="8k-token prompts to ingest")] = 200,
+    json_out: JsonOut = None,
+) -> None:
+    """Index query latency (both backends) and vLLM event ingest rate, beside their floors."""
+    from kvtier.bench import index
+
+    chosen = [b.strip() for b in backends.split(",") if b.strip()]
+    if not chosen or any(b not in ("memory", "redis") for b in chosen):
+        raise typer.BadParameter("backends: memory and/or redis")
+    report = index.run(chosen, entries, instances, tokens, queries, redis_url, ingest_prompts)
+    index.print_report(report)
+    _write(report, json_out)
+
+
+KNEE_WORKLOADS = {  # preset -> (user tokens, output tokens) per turn
+    "tiny": (224, 32),
+    "cpu-bench": (480, 32),
+}
+
+
+@bench_app.command("knee")
+def bench_knee(
+    preset: Annotated[str, typer.Option(help="random model preset: tiny | cpu-bench")] = "tiny",
+    model: Annotated[
+        Path | None, typer.Option(help="a model dir instead of the preset (Llama-like)")
+    ] = None,
+    sessions: Annotated[int, typer.Option(help="S: concurrent sessions")] = 4,
+    turns: Annotated[int | None, typer.Option(help="T: turns per session (6; quick: 4)")] = None,
+    user_tokens: Annotated[
+        int | None, typer.Option(help="U: new user tokens per turn (tiny 224, cpu-bench 480)")
+    ] = None,
+    output_tokens: Annotated[
+        int | None, typer.Option(help="O: output tokens per turn (32)")
+    ] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(help="GPU KV capacities, multiples of S*W (0.25,0.5,0.75,1,1.5,2)"),
+    ] = None,
+    gpu_blocks: Annotated[
+        str | None, typer.Option(help="GPU KV capacities in blocks (instead of --gpu)")
+    ] = None,
+    dram: Annotated[
+        str | None,
+        typer.Option(help="DRAM tiers: none (no connector), a multiple of S*W or a size (none,2)"),
+    ] = None,
+    chunk_tokens: Annotated[int, typer.Option(help="kvtier chunk (tokens)")] = 32,
+    fraction: Annotated[float, typer.Option(help="knee: this share of the best hit ratio")] = 0.9,
+    seed: Annotated[int, typer.Option()] = 0,
+    quick: Annotated[
+        bool, typer.Option(help="4 turns, GPU 0.5,1.5 x S*W, DRAM none,2: ~3 minutes")
+    ] = False,
+    out: Annotated[Path, typer.Option(help="folder for JSON, PNG, per-request results")] = Path(
+        "results/knee"
+    ),
+    report_json: Annotated[
+        Path | None,
+        typer.Option("--report", help="print and plot a saved knee.json again (runs nothing)"),
+    ] = None,
+) -> None:
+    """Hit ratio by tier and TTFT vs GPU KV capacity (and DRAM): the knee, beside S*W."""
+    import tempfile
+
+    from kvtier.bench import knee, knee_report
+    from kvtier.bench.knee_workload import Workload
+    from kvtier.bench.models import ModelInfo, make_model
+    from kvtier.errors import KvtierError
+
+    if report_json is not None:
+        saved = knee.KneeReport.from_json(json.loads(report_json.read_text()))
+        knee_report.print_report(saved)
+        knee_report.plot(saved, report_json.with_suffix(".png"))
+        typer.echo(f"wrote {report_json.with_suffix('.png')}")
+        return
+    if model is None and preset not in KNEE_WORKLOADS:
+        raise typer.BadParameter(f"preset must be one of {sorted(KNEE_WORKLOADS)}")
+    u, o = KNEE_WORKLOADS.get(preset, KNEE_WORKLOADS["tiny"])
+    model_dir = model or make_model(Path(tempfile.gettempdir()) / f"kvtier-{preset}", preset)
+    info = ModelInfo.read(model_dir)
+    try:
+        workload = Workload(
+            sessions=sessions,
+            turns=turns or (4 if quick else 6),
+            user_tokens=user_tokens or u,
+            output_tokens=output_tokens or o,
+            vocab_size=info.vocab_size,
+            seed=seed,
+        )
+        if workload.max_model_len > info.max_positions:
+            raise typer.BadParameter(
+                f"the last turn needs {workload.max_model_len} tokens; the model takes "
+                f"{info.max_positions}: fewer turns or tokens"
+            )
+        if gpu_blocks:
+            blocks = [int(b) for b in gpu_blocks.split(",") if b.strip()]
+        else:
+            spec = gpu or ("0.5,1.5" if quick else "0.25,0.5,0.75,1,1.5,2")
+            blocks = knee.gpu_blocks_for([float(m) for m in spec.split(",")], workload)
+        drams = [
+            knee.dram_bytes_for(d, workload, info.kv_bytes_per_token)
+            for d in (dram or "none,2").split(",")
+        ]
+        configs = knee.grid(blocks, drams)
+        settings = knee.RunSettings(
+            model_dir=Path(model_dir), info=info, out_dir=out, chunk_tokens=chunk_tokens
+        )
+        knee.check_configs(configs, workload)
+    except (KvtierError, ValueError) as e:
+        raise typer.BadParameter(str(e)) from None
+    typer.echo(
+        f"{len(configs)} configurations, a fresh vLLM server each (~30 s to start on 2 cores); "
+        + knee_report.headline(knee.workload_json(workload, settings))
+    )
+    report = knee.run(workload, configs, settings, fraction, preset=None if model else preset)
+    knee_report.print_report(report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "knee.json").write_text(json.dumps(report.to_json(), indent=2))
+    knee_report.plot(report, out / "knee.png")
+    typer.echo(f"wrote {out}/knee.json and knee.png (per-request results: {out}/*.jsonl)")

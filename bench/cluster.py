@@ -1,0 +1,93 @@
+"""Start kvtier's services as real processes on this machine (for benchmarks): node stores
+(each its own "node": its own pool, its own transfer engine) and an index following them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Service:
+    proc: subprocess.Popen
+    ready: dict
+
+    @property
+    def address(self) -> str:
+        return self.ready["grpc"]
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.ready['http']}"
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # in case someone stopped it
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _start(args: list[str], env: dict[str, str] | None = None) -> Service:
+    env = {**os.environ, "KVTIER_LOG_LEVEL": "warning", **(env or {})}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier", *args], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"kvtier {' '.join(args[:2])} exited with {proc.wait()}")
+    return Service(proc, json.loads(line))
+
+
+def start_store(
+    run_dir: Path,
+    capacity: str,
+    node_id: str,
+    remote: bool = True,
+    env: dict[str, str] | None = None,
+) -> Service:
+    args = [
+        "store",
+        "serve",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--capacity",
+        capacity,
+        "--run-dir",
+        str(run_dir),
+        "--node-id",
+        node_id,
+    ]
+    return _start([*args, "--remote"] if remote else args, env)
+
+
+def start_index(stores: list[Service]) -> Service:
+    args = ["index", "serve", "--grpc-port", "0", "--http-port", "0"]
+    for store in stores:
+        args += ["--store", store.address]
+    return _start(args)
+
+
+def wait_indexed(index: Service, node: str, chunks: int, timeout: float = 60) -> None:
+    """Until the index holds ``chunks`` DRAM entries of ``node`` (learnt from its events)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{index.http}/locations", timeout=5) as resp:
+            for location in json.loads(resp.read()):
+                if location["location"] == node and location["entries"].get("cpu", 0) >= chunks:
+                    return
+        time.sleep(0.2)
+    raise TimeoutError(f"the index did not learn {chunks} chunks of {node} in {timeout} s")

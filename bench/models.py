@@ -1,0 +1,144 @@
+"""Random-weight Llama models that vLLM runs, made locally (no hub downloads).
+
+``tiny`` is what the tests use (seconds to prefill anything); ``cpu-bench`` is sized so that a
+miss at 8k tokens costs seconds on a small CPU machine, which is what the tier-latency
+benchmark needs to show the tiers apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _tokenizer(vocab_size: int):
+    """Word-level tokenizer over "t0".."tN" + specials: offline, tokenizers library only."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for i in range(vocab_size - len(specials)):
+        vocab[f"t{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+
+
+PRESETS: dict[str, dict] = {
+    "tiny": {},
+    # fp32 (this CPU has no fast bf16), 8 KiB of KV per token: a miss at 8k tokens takes
+    # seconds on 2 cores while a cache hit takes a fraction of a second
+    "cpu-bench": {
+        "vocab_size": 4096,
+        "hidden_size": 512,
+        "num_layers": 4,
+        "num_heads": 8,
+        "num_kv_heads": 4,
+        "head_dim": 64,
+        "max_positions": 16384,
+    },
+}
+
+
+def make_model(out_dir: str | Path, preset: str = "tiny") -> Path:
+    """A random model of a named preset (written once; reused if already there)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose from {sorted(PRESETS)}")
+    return make_tiny_llama(out_dir, **PRESETS[preset])
+
+
+def make_tiny_llama(
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    max_positions: int = 4096,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write the model and tokenizer to ``out_dir`` (once) and return it.
+
+    Weights are scaled x5 so logits are far from uniform and logprob comparisons mean
+    something. ``head_dim`` must be one vLLM's CPU attention supports (32, 64, 80, 96, ...).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.mul_(5.0)
+    model = model.to(getattr(torch, dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    _tokenizer(vocab_size).save_pretrained(out)
+    return out
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What benchmarks need to size prompts and KV for a model directory (Llama-like config)."""
+
+    vocab_size: int
+    max_positions: int
+    num_layers: int
+    kv_bytes_per_token: int  # all layers, K and V, at ``dtype_bytes`` per element
+
+    @classmethod
+    def read(cls, model_dir: str | Path, dtype_bytes: int = 4) -> ModelInfo:
+        params = json.loads((Path(model_dir) / "config.json").read_text())
+        head_dim = params.get("head_dim") or params["hidden_size"] // params["num_attention_heads"]
+        kv_heads = params.get("num_key_value_heads", params["num_attention_heads"])
+        layers = params["num_hidden_layers"]
+        return cls(
+            vocab_size=params["vocab_size"],
+            max_positions=params.get("max_position_embeddings", 2048),
+            num_layers=layers,
+            kv_bytes_per_token=layers * 2 * kv_heads * head_dim * dtype_bytes,
+        )
+
+
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: ~3 s to start instead of ~17 s
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def vllm_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, **VLLM_ENV, **extra}

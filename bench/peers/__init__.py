@@ -1,0 +1,1 @@
+"""Peers our benchmarks measure against, run on the same vLLM, model and prompts."""

@@ -1,0 +1,175 @@
+"""Copies between vLLM's paged KV and chunks in the node's shared pool.
+
+A chunk holds, layer after layer, the pages of its ``blocks_per_chunk`` blocks (see
+``layout.py``). Loading copies a run of a chunk's pages into the KV pages of the request's
+blocks; saving copies the other way. ``PagedKV`` views every layer's KV as
+``[num_blocks, page_bytes]`` uint8 rows, whatever the backend's page interior.
+
+- CPU backend: plain memcpys (``index_copy_`` / ``index_select``) on the calling thread.
+- CUDA: the pool is registered with CUDA (pinned host memory) and copies run on a side stream
+  ordered after the compute stream's writes; ``synchronize`` waits for them. (Written for
+  CUDA KV layouts but, as of this commit, only exercised on the CPU backend.)
+
+Threading: one ``PagedKV`` per worker, used from the model-runner thread and the load thread
+it starts for layer-wise loads (different layers, never the same pages at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from kvtier.connector.layout import KvGeometry
+from kvtier.connector.metadata import ChunkCopy
+from kvtier.tiers.cpu.shm import SharedSegment
+
+log = logging.getLogger(__name__)
+
+
+def page_rows(kv: torch.Tensor) -> torch.Tensor:
+    """``kv`` (one layer, blocks first) as ``[num_blocks, page_bytes]`` uint8 rows.
+
+    Each block's page must be contiguous (true of vLLM's layouts: CPU's contiguous tensors and
+    CUDA's strided per-layer views alike); rows may be strided.
+    """
+    if not kv[0].is_contiguous():
+        raise ValueError(f"a KV block page is not contiguous (shape {tuple(kv.shape)})")
+    num_blocks, page_elems = kv.shape[0], kv[0].numel()
+    rows = torch.as_strided(kv, (num_blocks, page_elems), (kv.stride(0), 1))
+    return rows.view(torch.uint8)
+
+
+def _pieces(
+    extents: Sequence[tuple[int, int]], start: int, length: int
+) -> Iterator[tuple[int, int]]:
+    """Segment (offset, length) pieces covering chunk bytes ``[start, start + length)``."""
+    pos = 0
+    for offset, size in extents:
+        lo, hi = max(start, pos), min(start + length, pos + size)
+        if lo < hi:
+            yield offset + lo - pos, hi - lo
+        pos += size
+        if pos >= start + length:
+            return
+
+
+class PoolView:
+    """A pool segment as a torch uint8 tensor (registered with CUDA when asked)."""
+
+    def __init__(self, segment: SharedSegment, pin: bool) -> None:
+        self.segment = segment
+        self.tensor = torch.from_numpy(segment.array)
+        self.pinned = False
+        if pin and torch.cuda.is_available():
+            rc = torch.cuda.cudart().cudaHostRegister(
+                self.tensor.data_ptr(), self.tensor.numel(), 0
+            )
+            self.pinned = int(rc[0] if isinstance(rc, tuple) else rc) == 0
+            if not self.pinned:
+                log.warning("cudaHostRegister of the pool failed (%s): copies will block", rc)
+
+    def read(self, extents: Sequence[tuple[int, int]], start: int, length: int) -> torch.Tensor:
+        """Chunk bytes ``[start, start + length)``: a view, or a copy if they span extents."""
+        pieces = list(_pieces(extents, start, length))
+        if len(pieces) == 1:
+            offset, n = pieces[0]
+            return self.tensor[offset : offset + n]
+        return torch.cat([self.tensor[o : o + n] for o, n in pieces])
+
+    def write(
+        self,
+        extents: Sequence[tuple[int, int]],
+        start: int,
+        data: torch.Tensor,
+        non_blocking: bool = False,
+    ) -> None:
+        flat = data.reshape(-1)
+        pos = 0
+        for offset, n in _pieces(extents, start, flat.numel()):
+            self.tensor[offset : offset + n].copy_(flat[pos : pos + n], non_blocking=non_blocking)
+            pos += n
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+
+
+class PagedKV:
+    def __init__(self, kv_caches: dict[str, torch.Tensor], geometry: KvGeometry) -> None:
+        missing = [name for name in geometry.layer_names if name not in kv_caches]
+        if missing:
+            raise ValueError(f"KV caches lack layers {missing[:3]}")
+        self.geometry = geometry
+        self.rows = [page_rows(kv_caches[name]) for name in geometry.layer_names]
+        for name, rows in zip(geometry.layer_names, self.rows, strict=True):
+            if rows.shape[1] != geometry.page_bytes:
+                raise ValueError(
+                    f"layer {name}: page is {rows.shape[1]} bytes, expected {geometry.page_bytes}"
+                )
+        self.device = self.rows[0].device
+        self.is_cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.layer_events: list[torch.cuda.Event | None] = [None] * len(self.rows)
+
+    @contextlib.contextmanager
+    def _on_side_stream(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        # Order after everything the compute stream has queued (the step's KV writes).
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+
+    def load_layer(self, layer: int, pool: PoolView, chunks: Sequence[ChunkCopy]) -> None:
+        """Copy layer ``layer`` of ``chunks`` from the pool into the KV pages."""
+        geo = self.geometry
+        with self._on_side_stream():
+            for chunk in chunks:
+                count = len(chunk.block_ids)
+                start = layer * geo.layer_bytes + chunk.first_block * geo.page_bytes
+                src = pool.read(chunk.extents, start, count * geo.page_bytes)
+                src = src.view(count, geo.page_bytes)
+                if self.is_cuda:
+                    src = src.to(self.device, non_blocking=pool.pinned)
+                self.rows[layer].index_copy_(0, self._index(chunk.block_ids), src)
+            if self.stream is not None:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                self.layer_events[layer] = event
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the compute stream wait for layer ``layer``'s load (CUDA); no-op on CPU."""
+        event = self.layer_events[layer]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            self.layer_events[layer] = None
+
+    def save_layer(self, layer: int, pool: PoolView, chunks: Sequence[ChunkCopy]) -> None:
+        """Copy layer ``layer`` of the KV pages of ``chunks`` into the pool."""
+        geo = self.geometry
+        with self._on_side_stream():
+            for chunk in chunks:
+                count = len(chunk.block_ids)
+                start = layer * geo.layer_bytes + chunk.first_block * geo.page_bytes
+                index = self._index(chunk.block_ids)
+                pieces = list(_pieces(chunk.extents, start, count * geo.page_bytes))
+                if not self.is_cuda and len(pieces) == 1:  # gather straight into the pool
+                    offset, n = pieces[0]
+                    dst = pool.tensor[offset : offset + n].view(count, geo.page_bytes)
+                    torch.index_select(self.rows[layer], 0, index, out=dst)
+                    continue
+                pages = torch.index_select(self.rows[layer], 0, index)
+                pool.write(chunk.extents, start, pages, non_blocking=self.is_cuda and pool.pinned)
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued so far (CUDA); no-op on CPU."""
+        if self.stream is not None:
+            self.stream.synchronize()

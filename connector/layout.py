@@ -1,0 +1,153 @@
+"""How a vLLM instance's paged KV maps onto kvtier chunks, and which namespace it belongs to.
+
+vLLM stores KV in pages: one page per (layer, block) of ``block_size`` tokens, whose interior
+depends on the platform and attention backend (CPU: K transposed then V per head; CUDA
+FlashAttention: [token, head, K|V]). kvtier treats a page as opaque bytes, so a chunk is:
+
+    chunk (kv_layout "kvtier-pages-v1"):  for layer in layers:  for block in chunk: page bytes
+
+Everything that decides a page's bytes goes into the namespace's ``kv_layout`` string
+(platform, backend layout, CPU attention ISA, block size, page size), so two instances share
+chunks only if their pages are byte-compatible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """Chunk geometry of one instance (identical on the scheduler and every worker)."""
+
+    layer_names: tuple[str, ...]
+    block_size: int
+    page_bytes: int  # one layer's page of one block
+    chunk_tokens: int
+    kv_layout: str
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_tokens // self.block_size
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer inside a chunk."""
+        return self.blocks_per_chunk * self.page_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """The per-instance half of a namespace; requests add cache_salt and LoRA."""
+
+    model: str
+    revision: str
+    dtype: str
+    num_kv_heads: int
+    head_size: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+
+    def namespace(
+        self, geometry: KvGeometry, tp_rank: int, cache_salt: str = "", lora: str = ""
+    ) -> Namespace:
+        return Namespace(
+            model=self.model,
+            revision=self.revision,
+            dtype=self.dtype,
+            num_layers=geometry.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            kv_layout=geometry.kv_layout,
+            tp_rank=tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            chunk_tokens=geometry.chunk_tokens,
+            cache_salt=cache_salt,
+            lora=lora,
+        )
+
+
+def describe(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    chunk_tokens: int,
+    model_id: str | None = None,
+) -> tuple[KvGeometry, ModelIdentity]:
+    """Geometry and identity of this instance's KV cache. Raises UnsupportedModel for KV
+    layouts kvtier cannot chunk (several KV cache groups: hybrid/sliding-window models)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise UnsupportedModel(
+            f"kvtier supports models with one KV cache group, this one has {len(groups)} "
+            "(hybrid or sliding-window attention)"
+        )
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
+        raise UnsupportedModel(f"kvtier supports full attention only, not {type(spec).__name__}")
+    block_size = spec.block_size
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    dtype = str(spec.dtype).removeprefix("torch.")
+    platform = current_platform.device_type
+    layout = kv_cache_config.kv_cache_layout or "default"
+    isa = _cpu_attention_isa(spec, cache.cache_dtype) if platform == "cpu" else ""
+    kv_layout = (
+        f"kvtier-pages-v1;vllm;{platform};{layout};{isa};"
+        f"bs{block_size};page{spec.page_size_bytes};kvdtype={cache.cache_dtype}"
+    )
+    geometry = KvGeometry(
+        layer_names=tuple(groups[0].layer_names),
+        block_size=block_size,
+        page_bytes=spec.page_size_bytes,
+        chunk_tokens=chunk_tokens,
+        kv_layout=kv_layout,
+    )
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise UnsupportedModel("kvtier does not support pipeline parallelism yet")
+    identity = ModelIdentity(
+        model=model_id or str(model.model),
+        revision=str(model.revision or ""),
+        dtype=dtype,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        tp_size=parallel.tensor_parallel_size,
+        pp_rank=0,
+        pp_size=1,
+    )
+    return geometry, identity
+
+
+def _cpu_attention_isa(spec: Any, cache_dtype: str) -> str:
+    """The CPU attention kernel family decides the page interior (AMX packs differently)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype)
+    except Exception:
+        return "isa-unknown"

@@ -1,0 +1,95 @@
+"""What the scheduler-side connector tells the workers each step, and what they answer.
+
+All control-plane work (lookups, leases, allocation, commit) happens on the scheduler side; a
+worker only copies bytes between its KV pages and the node's shared pool, then reports. So the
+objects here are plain, picklable values: they cross from vLLM's EngineCore process to each
+worker process every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+Extent = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """The pool segment a job's offsets refer to (a store restart makes a new one)."""
+
+    name: str
+    size: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class ChunkCopy:
+    """Blocks ``first_block .. first_block + len(block_ids)`` of one chunk <-> KV blocks."""
+
+    extents: tuple[Extent, ...]  # the whole chunk's bytes in the segment
+    checksum: int  # of the whole chunk; 0 = not known (not verified)
+    first_block: int  # index of the first copied block inside the chunk
+    block_ids: tuple[int, ...]  # vLLM block ids receiving (load) / giving (save) the pages
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    segment: SegmentRef
+    chunks: dict[int, list[ChunkCopy]]  # per TP rank
+    is_async: bool
+    verify: bool
+    # Set when the scheduler already knows the data cannot be trusted (its lease lapsed):
+    # the worker copies nothing and reports every block as a load error.
+    failed: bool = False
+    error_block_ids: tuple[int, ...] = ()  # blocks to fail when there are no chunks
+
+    def block_ids(self, rank: int) -> list[int]:
+        ids = [b for c in self.chunks.get(rank, []) for b in c.block_ids]
+        return ids or list(self.error_block_ids)
+
+
+@dataclass
+class SaveJob:
+    job_id: int
+    req_id: str
+    segment: SegmentRef
+    chunks: dict[int, list[ChunkCopy]]  # per TP rank, in key order
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per step, from every worker: which saves and loads finished, per rank."""
+
+    saved: dict[int, set[int]] = field(default_factory=dict)  # job id -> ranks that copied
+    save_failed: dict[int, set[int]] = field(default_factory=dict)
+    loaded: dict[str, set[int]] = field(default_factory=dict)  # req id -> ranks done
+    load_failed: dict[str, set[int]] = field(default_factory=dict)
+    corrupt: dict[str, set[int]] = field(default_factory=dict)  # req id -> ranks: bad checksum
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvtierWorkerMetadata:
+        assert isinstance(other, KvtierWorkerMetadata)
+        for mine, theirs in (
+            (self.saved, other.saved),
+            (self.save_failed, other.save_failed),
+            (self.loaded, other.loaded),
+            (self.load_failed, other.load_failed),
+            (self.corrupt, other.corrupt),
+        ):
+            for key, ranks in theirs.items():
+                mine.setdefault(key, set()).update(ranks)  # type: ignore[arg-type]
+        return self
+
+    def is_empty(self) -> bool:
+        return not (self.saved or self.save_failed or self.loaded or self.load_failed)

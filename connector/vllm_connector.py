@@ -1,0 +1,280 @@
+"""``KvtierConnector``: kvtier behind vLLM's ``KVConnectorBase_V1``, no vLLM patches.
+
+vLLM creates one instance per role: SCHEDULER in the engine-core process (all control: lookups,
+leases, allocation, commits; see ``scheduler.py``) and WORKER in each model-runner process
+(data movement only; see ``worker.py``). This class adapts vLLM's calls to those two.
+
+With no ``store_address`` the scheduler-side instance embeds the node store; workers map its
+pool segment by name, so embedded mode works whether vLLM runs in one process or several.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.config import StoreConfig, load_config
+from kvtier.connector.config import parse_extra_config
+from kvtier.connector.layout import describe
+from kvtier.connector.metadata import KvtierMetadata, KvtierWorkerMetadata
+from kvtier.connector.scheduler import ConnectorScheduler
+from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
+from kvtier.connector.worker import ConnectorWorker
+from kvtier.store.service import connect
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.connector")
+
+_HIT_SOURCE = {"cpu": CacheHitSource.HOST, "remote": CacheHitSource.P2P}
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        block_size = vllm_config.cache_config.block_size
+        self.config = parse_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config, block_size
+        )
+        geometry, identity = describe(
+            vllm_config, kv_cache_config, self.config.chunk_tokens, self.config.model_id
+        )
+        self.scheduler: ConnectorScheduler | None = None
+        self.worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            embedded = self.config.store_address is None
+            base = load_config().store.model_dump()
+            if embedded:
+                base["pool"] |= {
+                    "capacity": self.config.embedded_capacity,
+                    "eviction": self.config.embedded_eviction,
+                }
+            store_config = StoreConfig.model_validate(
+                {**base, "address": self.config.store_address}
+            )
+            tier = connect(store_config)
+            remote = None
+            if "remote" in self.config.tiers:
+                from kvtier.connector.remote import RemoteResolver
+                from kvtier.index.config import IndexConfig
+                from kvtier.index.service import connect as connect_index
+
+                index = connect_index(IndexConfig(address=self.config.index_address))
+                remote = RemoteResolver(index, tier, self.config.remote_fetch_timeout_s)
+            self._announcer = self._announce(vllm_config, geometry, identity, tier)
+            self.scheduler = ConnectorScheduler(
+                self.config, geometry, identity, tier, embedded, remote
+            )
+            log.info(
+                "kvtier connector (scheduler): store %s, chunks of %d tokens = %d bytes",
+                self.config.store_address or "embedded",
+                self.config.chunk_tokens,
+                geometry.chunk_bytes,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker = ConnectorWorker(self.config, geometry, get_tensor_model_parallel_rank())
+
+    # ==== scheduler side =====================================================================
+
+    def _announce(self, vllm_config: VllmConfig, geometry: Any, identity: Any, tier: Any) -> Any:
+        """With an index and vLLM's KV events on, tell the index to follow this instance (what
+        it holds in GPU memory, for routers), instead of configuring every engine there."""
+        events = vllm_config.kv_events_config
+        if (
+            not self.config.index_address
+            or events is None
+            or not events.enable_kv_cache_events
+            or events.publisher != "zmq"
+        ):
+            return None
+        from kvtier.index.announce import Announcer
+        from kvtier.index.api import LocationKind, Registration
+
+        def reachable(endpoint: str) -> str:
+            host = self.config.instance_host
+            return endpoint.replace("*", host).replace("0.0.0.0", host)
+
+        endpoints = {"events": reachable(events.endpoint), "topic": events.topic}
+        if events.replay_endpoint:
+            endpoints["replay"] = reachable(events.replay_endpoint)
+        namespaces = tuple(identity.namespace(geometry, rank) for rank in range(identity.tp_size))
+        name = self.config.instance_id or f"vllm-{self._kv_transfer_config.engine_id}"
+        registration = Registration(
+            name,
+            LocationKind.INSTANCE,
+            tuple(ns.root_key() for ns in namespaces),
+            node=tier.info.node_id,
+            endpoints=endpoints,
+        )
+        return Announcer(self.config.index_address, registration, namespaces)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self.scheduler is not None
+        self.scheduler.block_ids_of = lambda req_id: kv_cache_manager.get_block_ids(req_id)[0]
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self.scheduler is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        assert self.scheduler is not None
+        sources = self.scheduler.hit_sources.get(request.request_id)
+        if not sources or sum(sources.values()) != num_external_tokens:
+            return {CacheHitSource.HOST: num_external_tokens}
+        return {_HIT_SOURCE[tier]: n for tier, n in sources.items() if n}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        scheduled = [
+            (r.req_id, r.num_computed_tokens, scheduler_output.num_scheduled_tokens[r.req_id])
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += [
+            (req_id, cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens[req_id])
+            for i, req_id in enumerate(cached.req_ids)
+        ]
+        return self.scheduler.build_meta(scheduled)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        self.scheduler.on_worker_output(meta if isinstance(meta, KvtierWorkerMetadata) else None)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        self.scheduler.request_finished(request.request_id)
+        # Saves copy within the step that completes a chunk, so the blocks are free to go.
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        assert self.scheduler is not None
+        if self.config.store_address is not None:
+            log.warning("kvtier: not clearing a shared node store on reset_prefix_cache")
+            return False
+        self.scheduler.tier.call("clear")
+        return True
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    # ==== worker side ========================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierMetadata)
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierMetadata)
+        self.worker.save_layer(meta, layer_name)
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierMetadata)
+        self.worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self.worker is not None
+        return self.worker.take_worker_meta()
+
+    # ==== both ===============================================================================
+
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        data = (
+            self.scheduler.take_stats()
+            if self.scheduler is not None
+            else self.worker.stats.take()
+            if self.worker is not None
+            else {}
+        )
+        return KvtierStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats | None:
+        return KvtierStats(data=dict(data)) if data is not None else KvtierStats(data={})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if getattr(self, "_announcer", None) is not None:
+            self._announcer.stop()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+            if self.scheduler.remote is not None:
+                self.scheduler.remote.close()
+            self.scheduler.tier.close()
+        if self.worker is not None:
+            self.worker.shutdown()

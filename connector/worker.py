@@ -1,0 +1,274 @@
+"""The worker side of the connector: moves bytes, decides nothing.
+
+Each step the scheduler side sends ``LoadJob``s and ``SaveJob``s (``metadata.py``) naming pool
+extents and KV block ids. This class copies, verifies when asked, and reports back: loads that
+finished (async) or failed (block ids vLLM must recompute), and saves whose bytes are in the
+pool (the scheduler then commits them).
+
+Failure rule: any doubt about a load's bytes (segment gone, checksum mismatch, scheduler says
+the lease lapsed, an exception mid-copy) makes every block of that load a load error, reported
+in the same step; vLLM recomputes them, so a failed load costs time, never a wrong token.
+
+Threading: called from vLLM's model-runner thread; sync loads run layer by layer on one extra
+thread (``kvtier-load``) so a layer's attention can start while later layers copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import torch
+
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.kv_copy import PagedKV, PoolView
+from kvtier.connector.layout import KvGeometry
+from kvtier.connector.metadata import (
+    KvtierMetadata,
+    KvtierWorkerMetadata,
+    LoadJob,
+    SaveJob,
+    SegmentRef,
+)
+from kvtier.tiers.cpu.shm import SegmentError, SharedSegment
+from kvtier.tiers.cpu.tier import checksum_views
+
+log = logging.getLogger(__name__)
+
+MAX_MAPPED_SEGMENTS = 4  # a store restart maps a new one; keep a few for jobs in flight
+
+
+class ConnectorWorker:
+    def __init__(self, config: ConnectorConfig, geometry: KvGeometry, tp_rank: int) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.rank = tp_rank
+        self.kv: PagedKV | None = None
+        self._pools: OrderedDict[str, PoolView] = OrderedDict()
+        self._finished_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._out = KvtierWorkerMetadata()
+        self.stats = WorkerStats()
+        # layer-wise sync loading
+        self._layer_ready: list[threading.Event] = []
+        self._load_thread: threading.Thread | None = None
+        self._layer_index = {name: i for i, name in enumerate(geometry.layer_names)}
+        # layer-wise saving, per step
+        self._saved_layers: set[int] = set()
+        self._failed_saves: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv = PagedKV(kv_caches, self.geometry)
+        self._layer_ready = [threading.Event() for _ in self.geometry.layer_names]
+        log.info(
+            "kvtier worker rank %d: %d layers, %d-byte pages, %d-byte chunks, on %s",
+            self.rank,
+            self.geometry.num_layers,
+            self.geometry.page_bytes,
+            self.geometry.chunk_bytes,
+            self.kv.device,
+        )
+
+    # -- loads -------------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KvtierMetadata) -> None:
+        sync_jobs = [job for job in meta.loads if not job.is_async]
+        for job in meta.loads:
+            if job.is_async:
+                self._run_load(job, range(self.geometry.num_layers))
+                self._finished_recving.add(job.req_id)
+        if sync_jobs:
+            for event in self._layer_ready:
+                event.clear()
+            self._load_thread = threading.Thread(
+                target=self._load_layers, args=(sync_jobs,), name="kvtier-load", daemon=True
+            )
+            self._load_thread.start()
+
+    def _load_layers(self, jobs: list[LoadJob]) -> None:
+        try:
+            for layer in range(self.geometry.num_layers):
+                for job in jobs:
+                    if job.req_id not in self._out.load_failed:
+                        self._run_load(job, (layer,), final=layer == self.geometry.num_layers - 1)
+                self._layer_ready[layer].set()
+        finally:
+            for event in self._layer_ready:
+                event.set()  # never leave the forward waiting
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._load_thread is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        self._layer_ready[layer].wait()
+        assert self.kv is not None
+        self.kv.wait_layer(layer)
+
+    def _finish_sync_loads(self) -> None:
+        if self._load_thread is not None:
+            self._load_thread.join()
+            self._load_thread = None
+
+    def _run_load(self, job: LoadJob, layers: range | tuple[int, ...], final: bool = True) -> None:
+        if job.failed:
+            self._fail_load(job, "the scheduler could not vouch for the bytes (lease lapsed)")
+            return
+        chunks = job.chunks.get(self.rank, [])
+        if not chunks:
+            return
+        start = time.perf_counter()
+        try:
+            assert self.kv is not None, "register_kv_caches was not called"
+            pool = self._pool(job.segment)
+            for layer in layers:
+                self.kv.load_layer(layer, pool, chunks)
+            if final:
+                self.kv.synchronize()
+                if job.verify:
+                    self._verify(job, pool)
+        except Exception as exc:
+            self._fail_load(job, repr(exc))
+            return
+        self.stats.add("load_seconds", time.perf_counter() - start)
+        if final:
+            self.stats.add("loaded_chunks", len(chunks))
+            self.stats.add(
+                "loaded_bytes",
+                sum(len(c.block_ids) for c in chunks)
+                * self.geometry.page_bytes
+                * self.geometry.num_layers,
+            )
+            self._out.loaded.setdefault(job.req_id, set()).add(self.rank)
+
+    def _verify(self, job: LoadJob, pool: PoolView) -> None:
+        for chunk in job.chunks.get(self.rank, []):
+            if not chunk.checksum:
+                self.stats.add("unverified_chunks", 1)
+                continue
+            views = [pool.segment.array[o : o + n] for o, n in chunk.extents]
+            if checksum_views(views) != chunk.checksum:
+                self._out.corrupt.setdefault(job.req_id, set()).add(self.rank)
+                raise ValueError(f"checksum mismatch in a chunk of request {job.req_id}")
+
+    def _fail_load(self, job: LoadJob, why: str) -> None:
+        blocks = job.block_ids(self.rank)
+        log.warning(
+            "kvtier load for %s failed (%s): %d blocks will be recomputed",
+            job.req_id,
+            why,
+            len(blocks),
+        )
+        self._load_errors.update(blocks)
+        self.stats.add("load_error_blocks", len(blocks))
+        self._out.load_failed.setdefault(job.req_id, set()).add(self.rank)
+
+    # -- saves -------------------------------------------------------------------------------
+
+    def save_layer(self, meta: KvtierMetadata, layer_name: str) -> None:
+        """Right after a layer's forward: its pages of the chunks this step completes are final,
+        so copy them now (on CUDA the copy overlaps the next layers' compute)."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not meta.saves:
+            return
+        for job in meta.saves:
+            self._save_job_layer(job, layer)
+        self._saved_layers.add(layer)
+
+    def save(self, meta: KvtierMetadata) -> None:
+        """End of the step (wait_for_save): copy the layers ``save_layer`` did not see, wait for
+        the copies, report. The scheduler commits a chunk when every rank reported it."""
+        self._finish_sync_loads()
+        for job in meta.saves:
+            if not job.chunks.get(self.rank):
+                continue
+            for layer in range(self.geometry.num_layers):
+                if layer not in self._saved_layers:
+                    self._save_job_layer(job, layer)
+        try:
+            if self.kv is not None:
+                self.kv.synchronize()
+        except Exception as exc:
+            log.warning("kvtier: waiting for saves failed: %r", exc)
+            self._failed_saves.update(job.job_id for job in meta.saves)
+        for job in meta.saves:
+            chunks = job.chunks.get(self.rank, [])
+            if not chunks:
+                continue
+            if job.job_id in self._failed_saves:
+                self._out.save_failed.setdefault(job.job_id, set()).add(self.rank)
+            else:
+                self.stats.add("saved_chunks", len(chunks))
+                self.stats.add("saved_bytes", len(chunks) * self.geometry.chunk_bytes)
+                self._out.saved.setdefault(job.job_id, set()).add(self.rank)
+        self._saved_layers.clear()
+        self._failed_saves.clear()
+
+    def _save_job_layer(self, job: SaveJob, layer: int) -> None:
+        chunks = job.chunks.get(self.rank, [])
+        if not chunks or job.job_id in self._failed_saves:
+            return
+        start = time.perf_counter()
+        try:
+            assert self.kv is not None
+            self.kv.save_layer(layer, self._pool(job.segment), chunks)
+        except Exception as exc:
+            log.warning("kvtier save of %s failed: %r", job.req_id, exc)
+            self._failed_saves.add(job.job_id)
+        self.stats.add("save_seconds", time.perf_counter() - start)
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self._finish_sync_loads()
+        recving, self._finished_recving = self._finished_recving, set()
+        return None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_sync_loads()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_worker_meta(self) -> KvtierWorkerMetadata | None:
+        out, self._out = self._out, KvtierWorkerMetadata()
+        return None if out.is_empty() else out
+
+    # -- segments ----------------------------------------------------------------------------
+
+    def _pool(self, ref: SegmentRef) -> PoolView:
+        pool = self._pools.get(ref.name)
+        if pool is None:
+            try:
+                segment = SharedSegment.attach(ref.name, ref.size)
+            except SegmentError as exc:
+                raise RuntimeError(f"cannot map pool segment {ref.name}: {exc}") from exc
+            pool = PoolView(segment, pin=self.kv is not None and self.kv.is_cuda)
+            self._pools[ref.name] = pool
+            while len(self._pools) > MAX_MAPPED_SEGMENTS:
+                _, old = self._pools.popitem(last=False)
+                old.close()
+        self._pools.move_to_end(ref.name)
+        return pool
+
+    def shutdown(self) -> None:
+        self._finish_sync_loads()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+class WorkerStats:
+    """Counters since the last report (vLLM aggregates them across workers and steps)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, float] = {}
+
+    def add(self, name: str, value: float) -> None:
+        self.data[name] = self.data.get(name, 0) + value
+
+    def take(self) -> dict[str, float]:
+        out, self.data = self.data, {}
+        return out

@@ -1,0 +1,179 @@
+"""Canonical chunk keys: the name of a piece of KV cache everywhere in the cluster.
+
+The spec lives in docs/chunk-keys.md (with test vectors in docs/chunk-key-vectors.json); this
+module is its reference implementation. In short:
+
+    root  = XXH3-128(b"kvtier/ns/v1\\n" + namespace.canonical_bytes())
+    key_i = XXH3-128(key_{i-1} || u32le(tokens[i*C : (i+1)*C]))      key_{-1} = root
+
+Keys are 16-byte ``bytes`` (XXH3-128's canonical big-endian digest). Only full chunks are keyed.
+Nothing here depends on ``PYTHONHASHSEED`` or on the process: a router written in another
+language computes the same keys from token ids alone.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+KEY_BYTES = 16
+NAMESPACE_DOMAIN = b"kvtier/ns/v1\n"
+SPEC_VERSION = 1
+
+ChunkKey = bytes  # 16 bytes
+
+_TOKEN_LIMIT = 1 << 32
+
+
+class Namespace(BaseModel):
+    """Everything that makes two pieces of KV cache incompatible.
+
+    Two engines share chunks only if every field here is equal. The field order below is part
+    of the spec (it is the order of ``canonical_bytes``); append new fields at the end only,
+    bumping ``SPEC_VERSION``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(description="model name as served, e.g. 'Qwen/Qwen3-8B'")
+    revision: str = Field("", description="model revision / weights hash")
+    dtype: str = Field(description="KV cache dtype, e.g. 'bfloat16', 'fp8_e4m3'")
+    num_layers: int = Field(ge=1, description="attention layers whose KV this rank holds")
+    num_kv_heads: int = Field(ge=1, description="KV heads held by this rank")
+    head_size: int = Field(ge=1)
+    kv_layout: str = Field(
+        "kvtier-chunk-v1", description="byte layout of one chunk (see docs/chunk-layout.md)"
+    )
+    tp_rank: int = Field(0, ge=0)
+    tp_size: int = Field(1, ge=1)
+    pp_rank: int = Field(0, ge=0)
+    pp_size: int = Field(1, ge=1)
+    chunk_tokens: int = Field(256, ge=1)
+    cache_salt: str = Field("", description="tenant isolation: chunks never match across salts")
+    lora: str = Field("", description="LoRA adapter name, '' for the base model")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _single_line(cls, value: Any) -> Any:
+        if isinstance(value, str) and ("\n" in value or "\r" in value):
+            raise ValueError("namespace fields must not contain line breaks")
+        return value
+
+    def canonical_bytes(self) -> bytes:
+        """UTF-8 ``name=value\\n`` lines in field-declaration order (the spec's encoding)."""
+        lines = [f"spec={SPEC_VERSION}"]
+        lines += [f"{name}={getattr(self, name)}" for name in type(self).model_fields]
+        return ("\n".join(lines) + "\n").encode()
+
+    def root_key(self) -> ChunkKey:
+        return xxhash.xxh3_128_digest(NAMESPACE_DOMAIN + self.canonical_bytes())
+
+
+def _token_bytes(tokens: Sequence[int] | Any) -> memoryview:
+    """Little-endian uint32 bytes of ``tokens`` (a list, array or numpy/torch-like array)."""
+    if isinstance(tokens, array.array) and tokens.typecode == "I" and tokens.itemsize == 4:
+        packed = tokens
+    elif hasattr(tokens, "astype") and hasattr(tokens, "tobytes"):  # numpy
+        if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= _TOKEN_LIMIT):
+            raise ValueError("token ids must be in [0, 2**32)")
+        return memoryview(tokens.astype("<u4", copy=False).tobytes())
+    else:
+        try:
+            packed = array.array("I", tokens)
+        except OverflowError as exc:
+            raise ValueError("token ids must be in [0, 2**32)") from exc
+        if packed.itemsize != 4:  # pragma: no cover - every platform we support has 4-byte I
+            raise RuntimeError("array('I') is not 32-bit on this platform")
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        packed = array.array("I", packed)
+        packed.byteswap()
+    return memoryview(packed).cast("B")
+
+
+def chunk_keys(
+    parent: ChunkKey,
+    tokens: Sequence[int] | Any,
+    chunk_tokens: int,
+    max_chunks: int | None = None,
+) -> list[ChunkKey]:
+    """Keys of the full chunks of ``tokens``, chained from ``parent``.
+
+    ``parent`` is the namespace root for a prompt's first chunk, or the key of the chunk just
+    before ``tokens`` to continue a chain. A trailing partial chunk gets no key.
+    """
+    if len(parent) != KEY_BYTES:
+        raise ValueError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
+    if chunk_tokens <= 0:
+        raise ValueError("chunk_tokens must be positive")
+    n_chunks = len(tokens) // chunk_tokens
+    if max_chunks is not None:
+        n_chunks = min(n_chunks, max_chunks)
+    if n_chunks == 0:
+        return []
+    data = _token_bytes(tokens[: n_chunks * chunk_tokens])
+    step = chunk_tokens * 4
+    keys: list[ChunkKey] = []
+    prev = parent
+    digest = xxhash.xxh3_128_digest
+    for off in range(0, n_chunks * step, step):
+        prev = digest(prev + data[off : off + step])
+        keys.append(prev)
+    return keys
+
+
+def prompt_keys(namespace: Namespace, tokens: Sequence[int] | Any) -> list[ChunkKey]:
+    """Keys of every full chunk of a prompt in ``namespace``."""
+    return chunk_keys(namespace.root_key(), tokens, namespace.chunk_tokens)
+
+
+class PromptKeyer:
+    """Incremental keys for a prompt that grows (agentic turns, decode): hashes each chunk once.
+
+    Not thread-safe; one per request.
+    """
+
+    def __init__(self, root: ChunkKey, chunk_tokens: int) -> None:
+        self._root = root
+        self._chunk_tokens = chunk_tokens
+        self.keys: list[ChunkKey] = []
+
+    def extend(self, tokens: Sequence[int] | Any) -> list[ChunkKey]:
+        """Keys for all full chunks of ``tokens`` (the whole prompt so far, not a delta)."""
+        done = len(self.keys)
+        start = done * self._chunk_tokens
+        parent = self.keys[-1] if self.keys else self._root
+        self.keys += chunk_keys(parent, tokens[start:], self._chunk_tokens)
+        return self.keys
+
+
+def key_hex(key: ChunkKey) -> str:
+    return key.hex()
+
+
+def keys_from_hex(values: Iterable[str]) -> list[ChunkKey]:
+    out = []
+    for value in values:
+        key = bytes.fromhex(value)
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a chunk key is {KEY_BYTES} bytes ({2 * KEY_BYTES} hex digits)")
+        out.append(key)
+    return out
+
+
+def pack_keys(keys: Sequence[ChunkKey]) -> bytes:
+    """Concatenate keys for the wire (the control APIs carry keys as one bytes field)."""
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a chunk key is {KEY_BYTES} bytes, got {len(key)}")
+    return b"".join(keys)
+
+
+def unpack_keys(blob: bytes) -> list[ChunkKey]:
+    if len(blob) % KEY_BYTES:
+        raise ValueError(f"packed keys must be a multiple of {KEY_BYTES} bytes, got {len(blob)}")
+    return [blob[i : i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]

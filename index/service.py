@@ -1,0 +1,177 @@
+"""``kvtier index serve``: the index as a process (gRPC + HTTP + followers), and ``connect()``.
+
+``connect(config)`` is what every consumer uses: a ``GrpcIndexClient`` of the index at
+``index.address``, or, when no address is configured, an ``EmbeddedIndex``: the configured
+backend and followers in this process, behind the same ``ChunkIndex`` interface.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvtier.config import KvtierConfig
+from kvtier.index.api import ChunkIndex, ForwardingIndex
+from kvtier.index.config import IndexConfig
+from kvtier.index.grpc_server import start_grpc_server
+from kvtier.index.http import build_app, location_json
+from kvtier.index.ingest import IngestManager
+from kvtier.index.metrics import build_registry
+from kvtier.store.http import HttpServer
+
+log = logging.getLogger(__name__)
+
+
+def build_backend(config: IndexConfig) -> ChunkIndex:
+    if config.backend == "redis":
+        from kvtier.index.redis_backend import RedisIndex
+
+        return RedisIndex(config.redis_url, config.redis_prefix, config.redis_timeout_s)
+    from kvtier.index.memory import MemoryIndex
+
+    return MemoryIndex()
+
+
+def tune_gc() -> None:
+    """The index holds millions of small long-lived objects; the default collector would
+    rescan them all every few thousand allocations. Move what exists to the permanent
+    generation and collect the young one less often (the hot paths allocate in bursts)."""
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 100)
+
+
+class EmbeddedIndex(ForwardingIndex):
+    """The index in this process: a backend plus the followers of the configured sources."""
+
+    def __init__(self, config: IndexConfig, backend: ChunkIndex | None = None) -> None:
+        super().__init__(backend if backend is not None else build_backend(config))
+        self.ingest = IngestManager(self.inner, config)
+        self.ingest.start()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.inner.stats(), "sources": [s.snapshot() for s in self.ingest.sources()]}
+
+    def close(self) -> None:
+        self.ingest.stop()
+        self.inner.close()
+
+
+def connect(config: IndexConfig) -> ChunkIndex:
+    """The index at ``config.address``, or an embedded one."""
+    if config.address:
+        from kvtier.index.grpc_client import GrpcIndexClient
+
+        return GrpcIndexClient(config.address)
+    return EmbeddedIndex(config)
+
+
+@dataclass
+class IndexService:
+    """A running index: backend + followers + metrics + gRPC + HTTP."""
+
+    config: IndexConfig
+    backend: ChunkIndex
+    ingest: IngestManager
+    grpc_server: grpc.Server
+    http: HttpServer
+    grpc_address: str
+    http_address: str
+
+    @classmethod
+    def start(cls, config: IndexConfig, backend: ChunkIndex | None = None) -> IndexService:
+        backend = backend if backend is not None else build_backend(config)
+        ingest: IngestManager | None = None
+        try:
+            ingest = IngestManager(backend, config)
+            metered, registry = build_registry(backend, ingest.sources)
+            ingest.index = metered  # followers' writes are timed too
+
+            def stats() -> dict[str, Any]:
+                return _stats(metered, ingest)
+
+            server, grpc_port = start_grpc_server(
+                metered, stats, config.grpc_host, config.grpc_port, config.grpc_workers
+            )
+            started = threading.Event()
+            http = HttpServer(
+                build_app(metered, registry, stats, started.is_set),
+                config.http_host,
+                config.http_port,
+            )
+            http_port = http.start()
+            ingest.start()
+        except BaseException:
+            if ingest is not None:
+                ingest.stop()
+            backend.close()
+            raise
+        started.set()
+        return cls(
+            config,
+            backend,
+            ingest,
+            server,
+            http,
+            f"{config.grpc_host}:{grpc_port}",
+            f"{config.http_host}:{http_port}",
+        )
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.ingest.stop()
+        self.grpc_server.stop(grace_s).wait()
+        self.http.stop()
+        self.backend.close()
+
+
+def _stats(index: ChunkIndex, ingest: IngestManager) -> dict[str, Any]:
+    health, reason = index.health()
+    out: dict[str, Any] = {"health": health.value, "health_reason": reason}
+    try:
+        out["backend"] = index.stats()
+        out["locations"] = [location_json(i) for i in index.locations()]
+    except Exception as exc:  # degraded: say what is known
+        out["backend_error"] = str(exc)
+    out["sources"] = [s.snapshot() for s in ingest.sources()]
+    out["reaped"] = dict(ingest.reaped)
+    return out
+
+
+def serve(config: KvtierConfig) -> None:
+    """Run the index until SIGINT/SIGTERM. Prints one JSON 'ready' line on stdout."""
+    service = IndexService.start(config.index)
+    tune_gc()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    health, _ = service.backend.health()
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "grpc": service.grpc_address,
+                "http": service.http_address,
+                "backend": config.index.backend,
+                "health": health.value,
+                "replica": config.index.replica_id,
+                "sources": len(config.index.vllm) + len(config.index.stores),
+                "started": time.time(),
+            }
+        ),
+        flush=True,
+    )
+    try:
+        stop.wait()
+    finally:
+        log.info("shutting down")
+        service.stop()
+        print(json.dumps({"event": "stopped"}), flush=True)
+        sys.stdout.flush()

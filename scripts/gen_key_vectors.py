@@ -1,0 +1,96 @@
+"""Write docs/keys/vectors.json: test vectors of the chunk-key spec (docs/keys/spec.md).
+
+Run once when the spec changes (bumping its version); tests check the committed file against
+the implementation and against the C reference in docs/keys/reference.c.
+"""
+
+import json
+from pathlib import Path
+
+from kvtier.keys import Namespace, prompt_keys
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "keys" / "vectors.json"
+
+
+def lcg_tokens(n: int, seed: int, vocab: int) -> list[int]:
+    # A fixed generator so the vectors need no randomness source to be reproduced.
+    out, state = [], seed
+    for _ in range(n):
+        state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        out.append((state >> 33) % vocab)
+    return out
+
+
+CASES = [
+    (
+        "tiny chunks, two full + partial",
+        Namespace(
+            model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=4
+        ),
+        list(range(11)),
+    ),
+    (
+        "no full chunk",
+        Namespace(
+            model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=4
+        ),
+        [1, 2, 3],
+    ),
+    (
+        "same tokens, other tenant",
+        Namespace(
+            model="m",
+            dtype="float16",
+            num_layers=2,
+            num_kv_heads=2,
+            head_size=64,
+            chunk_tokens=4,
+            cache_salt="tenant-b",
+        ),
+        list(range(11)),
+    ),
+    (
+        "extreme token ids",
+        Namespace(
+            model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=4
+        ),
+        [0, 4294967295, 65536, 255, 256, 1 << 31, 7, 4294967294],
+    ),
+    (
+        "realistic namespace, 256-token chunks",
+        Namespace(
+            model="Qwen/Qwen3-8B",
+            revision="b968826",
+            dtype="bfloat16",
+            num_layers=36,
+            num_kv_heads=8,
+            head_size=128,
+            tp_rank=1,
+            tp_size=2,
+            lora="sql-adapter",
+        ),
+        lcg_tokens(3 * 256 + 100, seed=42, vocab=151936),
+    ),
+]
+
+
+def main() -> None:
+    vectors = []
+    for name, ns, tokens in CASES:
+        vectors.append(
+            {
+                "name": name,
+                "namespace": ns.model_dump(),
+                "canonical": ns.canonical_bytes().decode(),
+                "root": ns.root_key().hex(),
+                "tokens": tokens,
+                "keys": [k.hex() for k in prompt_keys(ns, tokens)],
+            }
+        )
+    body = ",\n".join(json.dumps(v) for v in vectors)
+    OUT.write_text(f"[\n{body}\n]\n")
+    print(f"wrote {len(vectors)} vectors to {OUT}")
+
+
+if __name__ == "__main__":
+    main()

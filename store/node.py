@@ -1,0 +1,353 @@
+"""A node store: the pool segment plus the state machine, usable in-process or behind gRPC.
+
+``NodeStore`` is the store. ``kvtier store serve`` puts it behind gRPC/HTTP; embedded mode (no
+store address configured) uses it directly in the connector's process. Both go through the
+same ``StoreClient`` interface.
+
+Remote tier (``store.remote.enabled``): the pool is registered with a transfer engine, whose
+address ``info()`` publishes; peers read chunks leased with ``lease_for_peer``, and ``fetch``
+pulls chunks from a peer (``kvtier.tiers.remote``).
+
+Crash hygiene: each store holds an exclusive ``flock`` on a lock file in ``store.run_dir``
+naming its segment. The kernel drops the lock when the process dies, so the next store to
+start on the node finds unlocked lock files, unlinks the segments they name and removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier import __version__
+from kvtier.config import StoreConfig
+from kvtier.errors import ErrorCode, KvtierError
+from kvtier.keys import Namespace
+from kvtier.store.api import StoreClient, StoreInfo
+from kvtier.store.core import StoreCore
+from kvtier.store.events import EventBatch, EventGap
+from kvtier.store.leases import LeaseStatus
+from kvtier.store.types import AllocateResult, LookupResult, Snapshot
+from kvtier.tiers.cpu.shm import SHM_DIR, SharedSegment, remove_segment
+from kvtier.tiers.cpu.tier import checksum_views
+from kvtier.tiers.remote.types import FetchResult
+
+if TYPE_CHECKING:
+    from kvtier.tiers.remote.tier import RemoteTier
+
+log = logging.getLogger(__name__)
+
+LOCK_SUFFIX = ".lock"
+
+
+class NodeStore(StoreClient):
+    """The store itself. Thread-safe; ``close()`` releases the shared memory."""
+
+    def __init__(self, config: StoreConfig, instance: str | None = None) -> None:
+        """``instance`` names this store among others on the node (default: the gRPC port for
+        a served store, the pid for an embedded one)."""
+        self.config = config
+        self.epoch = secrets.randbits(63) or 1
+        instance = instance or f"pid{os.getpid()}"
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{config.node_id}-{instance}")
+        self.segment_name = f"kvtier-{safe}-{self.epoch:016x}"
+        run_dir = Path(config.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cleanup_stale_segments(run_dir)
+        self._lock_path = run_dir / f"{safe}{LOCK_SUFFIX}"
+        self._lock_fd = _acquire_lock(self._lock_path, self.segment_name)
+        pool = config.pool
+        try:
+            self.segment = SharedSegment.create(
+                self.segment_name, int(pool.capacity), prefault=pool.prefault
+            )
+        except BaseException:
+            self._release_lock()
+            raise
+        self._watchdog = _start_watchdog([SHM_DIR / self.segment_name, self._lock_path])
+        self.core = StoreCore(
+            node_id=config.node_id,
+            epoch=self.epoch,
+            capacity_bytes=int(pool.capacity),
+            page_size=int(pool.page_size),
+            eviction=pool.eviction,
+            lease_ttl_s=config.lease_ttl_s,
+            write_ttl_s=config.write_ttl_s,
+            max_lease_ttl_s=config.max_lease_ttl_s,
+            event_buffer=config.event_buffer,
+        )
+        self.remote: RemoteTier | None = None
+        if config.remote.enabled:
+            from kvtier.tiers.remote.tier import RemoteTier
+
+            try:
+                self.remote = RemoteTier(self.core, self.segment, config.remote)
+            except BaseException:
+                self.segment.close()
+                self.segment.unlink()
+                self._release_lock()
+                raise
+        self.transfer_address = self.remote.address if self.remote else ""
+        self._closed = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="kvtier-reaper", daemon=True)
+        self._reaper.start()
+        self._checksum_wake = threading.Event()
+        self._checksummer = threading.Thread(
+            target=self._checksum_loop, name="kvtier-checksum", daemon=True
+        )
+        self._checksummer.start()
+        log.info(
+            "store %s epoch %016x: %d-byte pool in /dev/shm/%s",
+            config.node_id,
+            self.epoch,
+            self.core.capacity_bytes,
+            self.segment_name,
+        )
+
+    # -- StoreClient -------------------------------------------------------------------------
+
+    def info(self) -> StoreInfo:
+        return StoreInfo(
+            node_id=self.config.node_id,
+            epoch=self.epoch,
+            segment_name=self.segment_name,
+            segment_size=self.segment.size,
+            page_size=self.core.page_size,
+            version=__version__,
+            transfer_address=self.transfer_address,
+            transfer_base=self.remote.base_address if self.remote else 0,
+        )
+
+    def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
+        return self.core.register_namespace(namespace, chunk_bytes)
+
+    def lookup(
+        self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None = None
+    ) -> LookupResult:
+        return self.core.lookup(ns_id, keys, lease_ttl_s)
+
+    def allocate(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        ttl_s: float | None = None,
+    ) -> AllocateResult:
+        return self.core.allocate(ns_id, keys, sizes, ttl_s)
+
+    def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
+        return self.core.commit(lease_id, keys, checksums)
+
+    def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int:
+        return self.core.abort(lease_id, keys)
+
+    def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
+        return self.core.release(lease_ids)
+
+    def renew(self, lease_id: int, ttl_s: float | None = None) -> float:
+        return self.core.renew(lease_id, ttl_s)
+
+    def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
+        return self.core.delete(ns_id, keys)
+
+    def clear(self) -> int:
+        return self.core.clear()
+
+    def stats(self) -> dict[str, int | float | str]:
+        stats = self.core.stats()
+        if self.remote is not None:
+            stats.update(self.remote.stats())
+        return stats
+
+    def snapshot(self) -> Snapshot:
+        return self.core.snapshot()
+
+    def read_events(
+        self, from_seq: int, max_batches: int = 256, timeout: float | None = None
+    ) -> list[EventBatch] | EventGap:
+        if self._closed.is_set():
+            raise KvtierError(ErrorCode.UNAVAILABLE, "store is shut down")
+        return self.core.events.read(from_seq, max_batches, timeout)
+
+    # -- remote tier -------------------------------------------------------------------------
+
+    def lease_for_peer(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease_ttl_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> LookupResult:
+        return self._remote_tier().lease_for_peer(ns_id, keys, lease_ttl_s)
+
+    def fetch(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        holder: str,
+        timeout_s: float | None = None,
+    ) -> FetchResult:
+        return self._remote_tier().fetch(ns_id, keys, holder, timeout_s)
+
+    def start_remote(self, grpc_address: str) -> None:
+        """Called once the store serves gRPC at ``grpc_address`` (what peers fetch from)."""
+        if self.remote is not None:
+            self.remote.start_demotion(grpc_address)
+
+    def _remote_tier(self) -> RemoteTier:
+        if self.remote is None:
+            raise KvtierError(
+                ErrorCode.UNAVAILABLE,
+                f"store {self.config.node_id} runs without the remote tier "
+                "(store.remote.enabled = false)",
+            )
+        return self.remote
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def _reap_loop(self) -> None:
+        period = max(0.05, min(1.0, self.config.lease_ttl_s / 4, self.config.write_ttl_s / 4))
+        while not self._closed.wait(period):
+            self.core.reap()
+
+    def _checksum_loop(self) -> None:
+        """Checksum chunks committed without one. xxhash releases the GIL, so this runs beside
+        the request threads (and beside vLLM's, when embedded)."""
+        while not self._closed.is_set():
+            self._checksum_wake.wait(0.5)
+            self._checksum_wake.clear()
+            while not self._closed.is_set():
+                batch = self.core.take_unsummed()
+                if not batch:
+                    break
+                done = []
+                for entry, location in batch:
+                    try:
+                        done.append((entry, checksum_views(self.segment.views(location.extents))))
+                    except ValueError:  # segment unmapped under us: shutting down
+                        done.append((entry, 0))
+                self.core.finish_checksums(done)
+
+    def wait_checksums(self, timeout: float = 10.0) -> bool:
+        """Block until every committed chunk has its checksum (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while self.core.unsummed_count() and time.monotonic() < deadline:
+            self._checksum_wake.set()
+            time.sleep(0.005)
+        return not self.core.unsummed_count()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        """Unlink the pool segment and the lock file. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self.core.events.close()
+        if self.remote is not None:
+            self.remote.close()  # before the pool is unmapped: peers must not read it after
+        self.segment.close()
+        self.segment.unlink()
+        self._release_lock()
+        _stop_watchdog(self._watchdog)
+        log.info("store %s epoch %016x closed", self.config.node_id, self.epoch)
+
+    def _release_lock(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._lock_path.unlink()
+        os.close(self._lock_fd)
+
+
+# A tiny process that outlives this one: when the store's process dies without closing (SIGKILL,
+# an engine killed by its supervisor), the pipe to it reaches EOF and it removes the pool segment
+# and lock file at once, instead of leaving gigabytes of /dev/shm until the next store starts
+# on the node. A byte on the pipe means "closed cleanly, touch nothing" (a new store may already
+# use the lock file's name).
+_WATCHDOG = (
+    "import os, sys\n"
+    "if not sys.stdin.buffer.read():\n"
+    "    for path in sys.argv[1:]:\n"
+    "        try:\n"
+    "            os.unlink(path)\n"
+    "        except OSError:\n"
+    "            pass\n"
+)
+
+
+def _start_watchdog(paths: list[Path]) -> subprocess.Popen | None:
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-S", "-c", _WATCHDOG, *map(str, paths)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # survives a kill of this process's group
+        )
+    except OSError as exc:  # the lock-file cleanup at the next start still covers a crash
+        log.warning("no segment watchdog (%s)", exc)
+        return None
+
+
+def _stop_watchdog(watchdog: subprocess.Popen | None) -> None:
+    if watchdog is None or watchdog.stdin is None:
+        return
+    with contextlib.suppress(OSError):
+        watchdog.stdin.write(b"closed")
+        watchdog.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        watchdog.wait(5)
+
+
+def _acquire_lock(path: Path, segment_name: str) -> int:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = path.read_text().strip() or "?"
+        raise KvtierError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"another store with this identity is running (lock {path} held, segment {holder})",
+        ) from None
+    previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    if previous:  # our own identity crashed earlier and nobody cleaned up yet
+        remove_segment(previous)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, segment_name.encode(), 0)
+    return fd
+
+
+def cleanup_stale_segments(run_dir: Path) -> list[str]:
+    """Remove segments of stores on this node that died without closing. Returns their names."""
+    removed = []
+    for lock_path in run_dir.glob(f"*{LOCK_SUFFIX}"):
+        try:
+            fd = os.open(lock_path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its store is alive
+            name = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            if name and remove_segment(name):
+                removed.append(name)
+                log.warning("removed pool segment %s left by a crashed store", name)
+            with contextlib.suppress(FileNotFoundError):
+                lock_path.unlink()
+        finally:
+            os.close(fd)
+    return removed

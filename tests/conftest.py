@@ -1,0 +1,76 @@
+"""Fixtures shared by the suite: real store processes on free ports, small pools."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Child processes (multiprocessing spawn) import helper functions from tests/helpers.py.
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import RedisServer, StoreProcess, start_redis, start_store_process
+
+from kvtier.config import StoreConfig
+from kvtier.keys import Namespace
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "run"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def store_config(run_dir: Path) -> StoreConfig:
+    return StoreConfig(
+        node_id="test-node",
+        grpc_port=0,
+        http_port=0,
+        run_dir=run_dir,
+        pool={"capacity": 16 << 20, "page_size": 64 << 10, "prefault": True},
+    )
+
+
+@pytest.fixture
+def namespace() -> Namespace:
+    return Namespace(
+        model="test-model",
+        dtype="float16",
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=64,
+        chunk_tokens=32,
+    )
+
+
+@pytest.fixture
+def store_proc(run_dir: Path) -> Iterator[StoreProcess]:
+    proc = start_store_process(run_dir, capacity="16MiB")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real redis-server for the session; tests isolate themselves with key prefixes."""
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"kvtier tests: python {sys.version.split()[0]}, cpus {os.cpu_count()}"
+
+
+__all__ = ["json", "subprocess"]

@@ -1,0 +1,149 @@
+"""Chunk keys: the spec's vectors, an independent C implementation, determinism, edge cases."""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.keys import (
+    KEY_BYTES,
+    Namespace,
+    PromptKeyer,
+    chunk_keys,
+    pack_keys,
+    prompt_keys,
+    unpack_keys,
+)
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "keys"
+VECTORS = json.loads((DOCS / "vectors.json").read_text())
+NS = Namespace(
+    model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=4
+)
+
+
+@pytest.mark.parametrize("vector", VECTORS, ids=[v["name"] for v in VECTORS])
+def test_spec_vectors(vector: dict) -> None:
+    ns = Namespace(**vector["namespace"])
+    assert ns.canonical_bytes().decode() == vector["canonical"]
+    assert ns.root_key().hex() == vector["root"]
+    assert [k.hex() for k in prompt_keys(ns, vector["tokens"])] == vector["keys"]
+
+
+def test_c_reference_implementation_agrees(tmp_path: Path) -> None:
+    """docs/keys/reference.c, written from the spec alone, gives the same keys."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler is needed (CI installs build-essential)"
+    binary = tmp_path / "chunk_keys"
+    subprocess.run(
+        [cc, "-O2", "-o", str(binary), str(DOCS / "reference.c"), "-lxxhash"], check=True
+    )
+    for vector in VECTORS:
+        stdin = (
+            f"{vector['namespace']['chunk_tokens']}\n"
+            f"{vector['canonical'].encode().hex()}\n"
+            f"{' '.join(map(str, vector['tokens']))}\n"
+        )
+        out = subprocess.run(
+            [str(binary)], input=stdin, capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert out == [vector["root"], *vector["keys"]], vector["name"]
+
+
+def test_independent_of_python_hash_seed() -> None:
+    code = (
+        "from kvtier.keys import Namespace, prompt_keys;"
+        "ns = Namespace(model='m', dtype='f', num_layers=1, num_kv_heads=1, head_size=1);"
+        "print(prompt_keys(ns, list(range(1000)))[-1].hex())"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("0", "1", "random")
+    }
+    assert len(outs) == 1
+
+
+def test_token_containers_agree() -> None:
+    tokens = list(range(100, 140))
+    expected = prompt_keys(NS, tokens)
+    assert prompt_keys(NS, np.array(tokens, dtype=np.int64)) == expected
+    assert prompt_keys(NS, np.array(tokens, dtype=np.uint32)) == expected
+    assert prompt_keys(NS, array.array("I", tokens)) == expected
+    assert prompt_keys(NS, tuple(tokens)) == expected
+
+
+def test_only_full_chunks_and_prefix_property() -> None:
+    a = prompt_keys(NS, list(range(10)))
+    b = prompt_keys(NS, [*range(8), 99, 98, 97, 96])
+    assert len(a) == 2 and len(b) == 3
+    assert a == b[:2]  # same first 8 tokens, same first two keys
+    c = prompt_keys(NS, [0, 1, 2, 3, 4, 5, 6, 9])
+    assert c[0] == a[0] and c[1] != a[1]
+    assert all(len(k) == KEY_BYTES for k in a + b + c)
+
+
+def test_every_namespace_field_changes_the_keys() -> None:
+    base = NS.model_dump()
+    changes = {
+        "model": "m2",
+        "revision": "r",
+        "dtype": "bfloat16",
+        "num_layers": 3,
+        "num_kv_heads": 4,
+        "head_size": 128,
+        "kv_layout": "other",
+        "tp_rank": 1,
+        "tp_size": 2,
+        "pp_rank": 1,
+        "pp_size": 2,
+        "chunk_tokens": 8,
+        "cache_salt": "t",
+        "lora": "a",
+    }
+    assert set(changes) == set(base)  # a new field must be added here too
+    roots = {Namespace(**{**base, k: v}).root_key() for k, v in changes.items()}
+    assert len(roots) == len(changes) and NS.root_key() not in roots
+
+
+def test_incremental_keyer_matches_one_shot() -> None:
+    tokens = list(range(1000))
+    keyer = PromptKeyer(NS.root_key(), NS.chunk_tokens)
+    for end in (3, 4, 9, 100, 1000):
+        keyer.extend(tokens[:end])
+    assert keyer.keys == prompt_keys(NS, tokens)
+    assert chunk_keys(keyer.keys[9], tokens[40:], 4) == keyer.keys[10:]
+
+
+@pytest.mark.parametrize("tokens", [[-1, 0, 0, 0], [1 << 32, 0, 0, 0]])
+def test_out_of_range_tokens_are_rejected(tokens: list[int]) -> None:
+    with pytest.raises(ValueError):
+        prompt_keys(NS, tokens)
+    with pytest.raises(ValueError):
+        prompt_keys(NS, np.array(tokens, dtype=np.int64))
+
+
+def test_bad_namespace_and_key_inputs() -> None:
+    with pytest.raises(ValueError):
+        Namespace(model="a\nb", dtype="f", num_layers=1, num_kv_heads=1, head_size=1)
+    with pytest.raises(ValueError):
+        Namespace(model="a", dtype="f", num_layers=0, num_kv_heads=1, head_size=1)
+    with pytest.raises(ValueError):
+        chunk_keys(b"short", [1, 2, 3, 4], 4)
+    with pytest.raises(ValueError):
+        unpack_keys(b"x" * 17)
+    keys = prompt_keys(NS, list(range(12)))
+    assert unpack_keys(pack_keys(keys)) == keys

@@ -1,0 +1,1 @@
+"""The media behind one interface: GPU (vLLM's paged KV), CPU (node DRAM pool), remote."""

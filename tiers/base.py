@@ -1,0 +1,37 @@
+"""Vocabulary shared by every tier: which medium, and what a lookup found.
+
+Tiers in order of preference: vLLM's own GPU memory (indexed, never owned by kvtier), the
+node's shared DRAM pool, other nodes' pools (remote), and later local disk.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvtier.tiers.cpu.shm import Extent
+
+
+class Tier(enum.StrEnum):
+    GPU = "gpu"
+    CPU = "cpu"
+    REMOTE = "remote"
+    DISK = "disk"
+
+
+class LookupStatus(enum.StrEnum):
+    """Per-chunk outcome of a lookup; a prefix lookup reports the status that ended it."""
+
+    HIT = "hit"  # committed and (if asked) leased
+    MISS = "miss"  # not held
+    PENDING = "pending"  # being written right now: ask again soon rather than recompute
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLocation:
+    """Where a chunk's bytes are in a pool segment."""
+
+    key: bytes
+    size: int
+    extents: tuple[Extent, ...]  # (byte offset, length) in the segment, in order
+    checksum: int  # XXH3-64 of the chunk's bytes, 0 while being written

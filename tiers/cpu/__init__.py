@@ -1,0 +1,1 @@
+"""The CPU tier: a node-shared DRAM pool in POSIX shared memory."""
