@@ -67,6 +67,21 @@ def bench_keys(
     _write(report, json_out)
 
 
+@bench_app.command("kv-copy")
+def bench_kv_copy(
+    tokens: Annotated[int, typer.Option(help="tokens loaded (a DRAM hit's size)")] = 8192,
+    page: Annotated[str, typer.Option(help="bytes of one layer of one KV block")] = "64KiB",
+    layers: Annotated[int, typer.Option()] = 4,
+    json_out: JsonOut = None,
+) -> None:
+    """The worker's pool <-> paged-KV copy (CPU) beside memcpy and torch's index_copy_."""
+    from kvtier.bench import kv_copy
+
+    report = kv_copy.run(tokens, int(_bytes.validate_python(page)), layers)
+    kv_copy.print_report(report)
+    _write(report, json_out)
+
+
 @bench_app.command("remote")
 def bench_remote(
     sizes: Annotated[str, typer.Option(help="chunk sizes")] = "64KiB,256KiB,1MiB,4MiB,16MiB",
@@ -104,8 +119,13 @@ def bench_tier_latency(
     model: Annotated[str | None, typer.Option(help="model dir (default: a random preset)")] = None,
     preset: Annotated[str, typer.Option(help="random model preset")] = "cpu-bench",
     suffix: Annotated[
-        int, typer.Option(help="new tokens after the reused prefix (0: resend it unchanged)")
-    ] = 0,
+        int,
+        typer.Option(
+            help="new tokens after the reused prefix, as in an agent's next turn; every tier "
+            "then computes the same tokens (0: resend unchanged, where vLLM and kvtier "
+            "recompute the last block but LMCache only the last token)"
+        ),
+    ] = 32,
     out: Annotated[Path, typer.Option(help="folder for JSON and PNG")] = Path(
         "results/tier-latency"
     ),

@@ -253,7 +253,7 @@ def run(
     model: str | None = None,
     preset: str = "cpu-bench",
     seed: int = 0,
-    suffix: int = 0,
+    suffix: int = 32,
     progress: Callable[[str], None] = print,
 ) -> Report:
     """``suffix``: new tokens after the reused prefix (0: the prompt is resent unchanged, so a
