@@ -11,12 +11,12 @@ list costs more than hashing it.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable
 
 import numpy as np
 import xxhash
 
+from kvtier.bench.timing import best_of
 from kvtier.keys import Namespace, prompt_keys
 
 Digest = Callable[[bytes], bytes]
@@ -45,15 +45,6 @@ def _chain(digest: Digest, root: bytes, data: bytes, step: int) -> list[bytes]:
     return keys
 
 
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def run(tokens: int = 131072, chunk_tokens: int = 256, repeat: int = 20) -> dict:
     ns = Namespace(
         model="bench",
@@ -69,12 +60,12 @@ def run(tokens: int = 131072, chunk_tokens: int = 256, repeat: int = 20) -> dict
     n_chunks = tokens // chunk_tokens
     rows = []
     for container, ids in (("list", ids_list), ("numpy", ids_np)):
-        seconds = _best(lambda ids=ids: prompt_keys(ns, ids), repeat)
+        seconds = best_of(lambda ids=ids: prompt_keys(ns, ids), repeat)
         rows.append({"what": f"prompt_keys, tokens as {container}", "seconds": seconds})
     data = ids_np.astype("<u4").tobytes()
     root = ns.root_key()
     for name, digest in _digests().items():
-        seconds = _best(lambda d=digest: _chain(d, root, data, chunk_tokens * 4), repeat)
+        seconds = best_of(lambda d=digest: _chain(d, root, data, chunk_tokens * 4), repeat)
         rows.append({"what": f"chain only: {name}", "seconds": seconds})
     for row in rows:
         row["keys_per_s"] = n_chunks / row["seconds"]

@@ -17,28 +17,17 @@ from __future__ import annotations
 
 import os
 import random
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from kvtier.bench.timing import best_of
 from kvtier.connector.kv_copy import PagedKV, PoolView
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import ChunkCopy
 from kvtier.tiers.cpu.shm import SharedSegment, page_aligned_empty
 
 BLOCK_SIZE = 32
-
-
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm: page faults, allocator
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def run(
@@ -94,12 +83,12 @@ def run(
 
         src_buf, dst_buf = page_aligned_empty(total), page_aligned_empty(total)
         rows = [
-            ("floor: memcpy", _best(lambda: np.copyto(dst_buf, src_buf), repeat)),
-            ("load, consecutive blocks", _best(lambda: load(consecutive), repeat)),
-            ("load, scattered blocks", _best(lambda: load(scattered), repeat)),
-            ("save, consecutive blocks", _best(lambda: save(consecutive), repeat)),
-            ("save, scattered blocks", _best(lambda: save(scattered), repeat)),
-            ("index_copy_ load, consecutive", _best(lambda: index_copy(consecutive), 1)),
+            ("floor: memcpy", best_of(lambda: np.copyto(dst_buf, src_buf), repeat, warmup=1)),
+            ("load, consecutive blocks", best_of(lambda: load(consecutive), repeat, warmup=1)),
+            ("load, scattered blocks", best_of(lambda: load(scattered), repeat, warmup=1)),
+            ("save, consecutive blocks", best_of(lambda: save(consecutive), repeat, warmup=1)),
+            ("save, scattered blocks", best_of(lambda: save(scattered), repeat, warmup=1)),
+            ("index_copy_ load, consecutive", best_of(lambda: index_copy(consecutive), 1)),
         ]
     finally:
         segment.close()

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.timing import best_of
 from kvtier.bench.trace.analyze import analyze_file
 from kvtier.bench.trace.capacity import capacity_curve
 from kvtier.bench.trace.formats import TraceReader, read_trace
@@ -62,15 +62,6 @@ def _bare_lru(path: Path, capacity: int) -> float:
                 if len(cache) > capacity:
                     cache.popitem(last=False)
     return hits / total
-
-
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def run(src: Path, copies: int = 3, repeat: int = 3) -> dict[str, Any]:
@@ -121,7 +112,7 @@ def run(src: Path, copies: int = 3, repeat: int = 3) -> dict[str, Any]:
         ]
         rows = []
         for name, kind, fn in cases:
-            seconds = _best(fn, 1 if "sweep" in name else repeat)
+            seconds = best_of(fn, 1 if "sweep" in name else repeat)
             rows.append(
                 {"case": name, "kind": kind, "seconds": seconds, "requests_per_s": n / seconds}
             )
