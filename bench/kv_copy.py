@@ -88,7 +88,7 @@ def run(
             ("load, scattered blocks", best_of(lambda: load(scattered), repeat, warmup=1)),
             ("save, consecutive blocks", best_of(lambda: save(consecutive), repeat, warmup=1)),
             ("save, scattered blocks", best_of(lambda: save(scattered), repeat, warmup=1)),
-            ("index_copy_ load, consecutive", best_of(lambda: index_copy(consecutive), 1)),
+            ("index_copy_ load, consecutive", best_of(lambda: index_copy(consecutive), 1, 1)),
         ]
     finally:
         segment.close()
