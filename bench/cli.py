@@ -290,3 +290,56 @@ def bench_knee(
     (out / "knee.json").write_text(json.dumps(report.to_json(), indent=2))
     knee_report.plot(report, out / "knee.png")
     typer.echo(f"wrote {out}/knee.json and knee.png (per-request results: {out}/*.jsonl)")
+
+
+@bench_app.command("faults")
+def bench_faults(
+    requests: Annotated[int, typer.Option(help="requests per drill and phase (>= 100)")] = 100,
+    drills: Annotated[
+        str | None, typer.Option(help="comma-separated drill names (default: all)")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="folder for faults.json and faults.md")] = Path(
+        "results/faults"
+    ),
+) -> None:
+    """Every failure path through real vLLM instances and stores: wrong tokens, crashes."""
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from kvtier.bench import faults
+    from kvtier.bench.drills import DRILLS
+
+    names = [d.strip() for d in drills.split(",")] if drills else list(DRILLS)
+    unknown = [n for n in names if n not in DRILLS]
+    if unknown:
+        raise typer.BadParameter(f"unknown drills {unknown}; choose from {sorted(DRILLS)}")
+    bar = tqdm(total=len(names), unit="drill")
+
+    started: list[str] = []
+
+    def progress(name: str) -> None:  # called as each drill starts
+        if started:
+            bar.update(1)
+        started.append(name)
+        bar.set_description(name)
+
+    results = faults.run_drills({n: DRILLS[n] for n in names}, requests, progress=progress)
+    bar.update(len(started) - bar.n)
+    bar.close()
+    rows = faults.table(results)
+    table = Table(title=f"fault drills, {requests} requests per phase")
+    for col in rows[0]:
+        table.add_column(col, justify="right")
+    for row in rows[1:]:
+        table.add_row(*row)
+    Console(width=200).print(table)
+    command = f"kvtier bench faults --requests {requests}" + (
+        f" --drills {drills}" if drills else ""
+    )
+    faults.write(results, out, command)
+    typer.echo(f"wrote {out}/faults.json and faults.md")
+    bad = [r.drill for r in results if not r.ok]
+    if bad:
+        typer.echo(f"FAILED drills: {', '.join(bad)}", err=True)
+        raise typer.Exit(1)

@@ -38,11 +38,21 @@ class Service:
                 self.proc.wait()
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def kvtier_argv(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "kvtier", *args]
+
+
 def _start(args: list[str], env: dict[str, str] | None = None) -> Service:
     env = {**os.environ, "KVTIER_LOG_LEVEL": "warning", **(env or {})}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier", *args], stdout=subprocess.PIPE, text=True, env=env
-    )
+    proc = subprocess.Popen(kvtier_argv(args), stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
@@ -50,18 +60,19 @@ def _start(args: list[str], env: dict[str, str] | None = None) -> Service:
     return Service(proc, json.loads(line))
 
 
-def start_store(
+def store_args(
     run_dir: Path,
     capacity: str,
     node_id: str,
     remote: bool = True,
-    env: dict[str, str] | None = None,
-) -> Service:
+    grpc_port: int = 0,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
     args = [
         "store",
         "serve",
         "--grpc-port",
-        "0",
+        str(grpc_port),
         "--http-port",
         "0",
         "--capacity",
@@ -70,8 +81,21 @@ def start_store(
         str(run_dir),
         "--node-id",
         node_id,
+        *extra,
     ]
-    return _start([*args, "--remote"] if remote else args, env)
+    return [*args, "--remote"] if remote else args
+
+
+def start_store(
+    run_dir: Path,
+    capacity: str,
+    node_id: str,
+    remote: bool = True,
+    env: dict[str, str] | None = None,
+    grpc_port: int = 0,
+    extra: tuple[str, ...] = (),
+) -> Service:
+    return _start(store_args(run_dir, capacity, node_id, remote, grpc_port, extra), env)
 
 
 def start_index(stores: list[Service]) -> Service:

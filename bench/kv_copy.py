@@ -7,6 +7,7 @@ into the KV blocks vLLM allocated. This times exactly what the connector's worke
 (``PagedKV.load_layer`` / ``save_layer`` on a real shared segment) for consecutive block ids
 (a fresh request's usual case) and for scattered ones (a fragmented KV cache), beside:
 - the floor: one memcpy of the same bytes between page-aligned buffers;
+- the checksum pass ``verify_loads`` adds to every load (XXH3-64 of each chunk);
 - ``index_copy_``, the obvious torch call, which on CPU moves ~0.3 GB/s and was what the
   worker used before (kept here so the reason for the run-coalesced copy stays measurable).
 CPU tensors only; on a CUDA machine the worker copies host → device and this bench does not
@@ -26,6 +27,7 @@ from kvtier.connector.kv_copy import PagedKV, PoolView
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import ChunkCopy
 from kvtier.tiers.cpu.shm import SharedSegment, page_aligned_empty
+from kvtier.tiers.cpu.tier import checksum_views
 
 BLOCK_SIZE = 32
 
@@ -81,6 +83,10 @@ def run(
                     src = pool.tensor[start : start + geo.layer_bytes].view(-1, page_bytes)
                     kv[name].index_copy_(0, torch.tensor(job.block_ids), src)
 
+        def verify() -> None:  # what verify_loads adds to a load: XXH3-64 of every chunk
+            for c in range(chunks):
+                checksum_views([segment.array[c * geo.chunk_bytes : (c + 1) * geo.chunk_bytes]])
+
         src_buf, dst_buf = page_aligned_empty(total), page_aligned_empty(total)
         rows = [
             ("floor: memcpy", best_of(lambda: np.copyto(dst_buf, src_buf), repeat, warmup=1)),
@@ -88,6 +94,7 @@ def run(
             ("load, scattered blocks", best_of(lambda: load(scattered), repeat, warmup=1)),
             ("save, consecutive blocks", best_of(lambda: save(consecutive), repeat, warmup=1)),
             ("save, scattered blocks", best_of(lambda: save(scattered), repeat, warmup=1)),
+            ("verify_loads: checksum the chunks", best_of(verify, repeat, warmup=1)),
             ("index_copy_ load, consecutive", best_of(lambda: index_copy(consecutive), 1, 1)),
         ]
     finally:

@@ -16,6 +16,7 @@ their own processes. Floor: a memcpy of the same KV bytes, measured in this run.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import tempfile
@@ -157,8 +158,8 @@ def memcpy_floor(nbytes: int, repeat: int = 5) -> float:
 ConfigSetup = Callable[[str, Path], tuple[dict, dict, Callable[[], None]]]
 
 
-def _kvtier(model: str, run_dir: Path) -> tuple[dict, dict, Callable[[], None]]:
-    extra = {"embedded_capacity": "4GiB", "min_hit_tokens": {"cpu": 256}}
+def _kvtier(model: str, run_dir: Path, **settings: Any) -> tuple[dict, dict, Callable[[], None]]:
+    extra = {"embedded_capacity": "4GiB", "min_hit_tokens": {"cpu": 256}, **settings}
     return (
         {"kv_transfer_config": kvtier_transfer_config(extra)},
         {"KVTIER_STORE__RUN_DIR": str(run_dir)},
@@ -241,6 +242,9 @@ def _run_remote(
 
 CONFIGS: dict[str, tuple[ConfigSetup, list[str]]] = {
     "kvtier": (_kvtier, ["miss", "gpu", "dram"]),
+    # the cost of checksumming every load (verify_loads), measured against not doing it
+    "kvtier-verify": (functools.partial(_kvtier, verify_loads=True), ["miss", "gpu", "dram"]),
+    "kvtier-noverify": (functools.partial(_kvtier, verify_loads=False), ["miss", "gpu", "dram"]),
     "baseline": (_baseline, ["miss", "gpu"]),
     "lmcache": (_lmcache, ["miss", "gpu", "dram"]),
 }

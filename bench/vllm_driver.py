@@ -6,9 +6,9 @@ caller's process.
 
 spec = {"model": path, "kv_transfer_config": {...} | None, "block_size": 32, ...,
         "preload": [modules imported before vLLM], "kv_events_config": {...} | None,
-        "phases": [...]}. Phases:
-    {"op": "generate", "prompts": [[ids...]...], "max_tokens": 8, "prompt_logprobs": false,
-     "skip_reading_prefix_cache": null}
+        "engine_args": {more vllm.LLM arguments, e.g. hf_overrides}, "phases": [...]}. Phases:
+    {"op": "generate", "prompts": [[ids...] | {"tokens": [...], "cache_salt": s}, ...],
+     "max_tokens": 8, "prompt_logprobs": false, "skip_reading_prefix_cache": null}
         requests run one after the other (vLLM's kernels are not batch-invariant, so exactness
         comparisons need identical batches); per request: tokens, logprobs, num_cached_tokens,
         seconds (the whole generate: TTFT when max_tokens=1) and the prompt tokens vLLM counted
@@ -17,11 +17,10 @@ spec = {"model": path, "kv_transfer_config": {...} | None, "block_size": 32, ...
     {"op": "metrics"}                vLLM's counters (vllm:* names)
     {"op": "connector_timing"}       seconds spent in the scheduler-side connector per step
     {"op": "sleep", "seconds": s}    let background work happen (e.g. an index following)
-    {"op": "fault", ...}             fault injection, fired once right after the next lookup
-                                     and before its load (tests of the failure paths):
-        "kind": "kill_store", "pid": N, "segment": name   SIGKILL the store, unlink its pool
-        "kind": "stall", "seconds": s                     the scheduler thread stalls
-        "kind": "corrupt_pool", "segment": name           overwrite every byte of the pool
+    {"op": "signal", "pid": N, "signal": "SIGSTOP"}  signal another process (a store)
+    {"op": "fault", "kind": ..., ...}  fault injection (``fault_injection.py``): fired right
+                                     after a lookup, before its load, once or "every" time
+    {"op": "disarm"}                 every fault off
 """
 
 from __future__ import annotations
@@ -33,8 +32,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
+
+from kvtier.bench.fault_injection import arm as arm_fault
+from kvtier.bench.fault_injection import disarm as disarm_faults
+from kvtier.bench.fault_injection import scheduler_connector
 
 RESULT_PREFIX = "KVTIER-RESULT "
 SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
@@ -66,41 +68,6 @@ def run_vllm(spec: dict, env: Mapping[str, str], timeout: float = 900) -> list[A
     raise RuntimeError(f"vLLM driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
-def _scheduler_connector(llm: Any) -> Any:
-    core = llm.llm_engine.engine_core
-    engine = getattr(core, "engine_core", core)
-    return engine.scheduler.connector
-
-
-def _arm_fault(llm: Any, phase: dict) -> None:
-    connector = _scheduler_connector(llm)
-    original = connector.update_state_after_alloc
-    fired = {"done": False}
-
-    def faulty(request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens and not fired["done"]:
-            fired["done"] = True
-            if phase["kind"] == "kill_store":
-                os.kill(phase["pid"], signal.SIGKILL)
-                Path("/dev/shm", phase["segment"]).unlink(missing_ok=True)
-            elif phase["kind"] == "stall":
-                time.sleep(phase["seconds"])
-            elif phase["kind"] == "corrupt_pool":
-                import numpy as np
-
-                from kvtier.tiers.cpu.shm import SharedSegment
-
-                size = Path("/dev/shm", phase["segment"]).stat().st_size
-                segment = SharedSegment.attach(phase["segment"], size)
-                segment.array[:] = np.uint8(0x5A)
-                segment.close()
-            else:
-                raise ValueError(f"unknown fault {phase['kind']!r}")
-        original(request, blocks, num_external_tokens)
-
-    connector.update_state_after_alloc = faulty
-
-
 class _ConnectorTimer:
     """Wraps the scheduler-side connector hooks to time them (per engine step)."""
 
@@ -115,7 +82,8 @@ class _ConnectorTimer:
     def __init__(self, llm: Any) -> None:
         self.seconds = 0.0
         self.steps = 0
-        connector = _scheduler_connector(llm)
+        self.longest = 0.0  # the longest single hook call: what stalls the engine
+        connector = scheduler_connector(llm)
         for name in self.HOOKS:
             setattr(
                 connector,
@@ -129,14 +97,16 @@ class _ConnectorTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                took = time.perf_counter() - start
+                self.seconds += took
+                self.longest = max(self.longest, took)
                 self.steps += counts_step
 
         return timed
 
     def take(self) -> dict[str, float]:
-        out = {"seconds": self.seconds, "steps": self.steps}
-        self.seconds, self.steps = 0.0, 0
+        out = {"seconds": self.seconds, "steps": self.steps, "longest": self.longest}
+        self.seconds, self.steps, self.longest = 0.0, 0, 0.0
         return out
 
 
@@ -178,7 +148,17 @@ def _generate(llm: Any, phase: dict) -> list[dict]:
     for prompt in phase["prompts"]:
         before = _cached_by_source(_metrics(llm))
         start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+        if isinstance(prompt, dict):
+            tokens_prompt = TokensPrompt(prompt_token_ids=prompt["tokens"])
+            if prompt.get("cache_salt") is not None:
+                tokens_prompt["cache_salt"] = prompt["cache_salt"]
+        else:
+            tokens_prompt = TokensPrompt(prompt_token_ids=prompt)
+        try:
+            out = llm.generate([tokens_prompt], params, use_tqdm=False)[0]
+        except Exception as exc:  # a request the engine refused: recorded, the run goes on
+            results.append({"error": repr(exc)})
+            continue
         seconds = time.perf_counter() - start
         after = _cached_by_source(_metrics(llm))
         completion = out.outputs[0]
@@ -234,6 +214,7 @@ def main(spec: dict) -> list[Any]:
         disable_log_stats=False,
         kv_transfer_config=spec.get("kv_transfer_config"),
         kv_events_config=spec.get("kv_events_config"),
+        **spec.get("engine_args", {}),
     )
     results: list[Any] = []
     timer: _ConnectorTimer | None = None
@@ -250,7 +231,13 @@ def main(spec: dict) -> list[Any]:
             elif op == "metrics":
                 results.append(_metrics(llm))
             elif op == "fault":
-                _arm_fault(llm, phase)
+                arm_fault(llm, phase)
+                results.append(None)
+            elif op == "disarm":
+                disarm_faults(llm)
+                results.append(None)
+            elif op == "signal":  # e.g. SIGKILL / SIGSTOP / SIGCONT a store
+                os.kill(phase["pid"], getattr(signal, phase["signal"]))
                 results.append(None)
             elif op == "sleep":
                 time.sleep(phase["seconds"])
@@ -261,6 +248,7 @@ def main(spec: dict) -> list[Any]:
                 results.append(timer.take())
             else:
                 raise ValueError(f"unknown phase {op!r}")
+        _drain(llm)  # let work the engine still owes finish (e.g. saves of finished requests)
     finally:
         llm.llm_engine.engine_core.shutdown()  # runs the connector's shutdown (frees its pool)
     return results

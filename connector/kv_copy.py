@@ -19,7 +19,6 @@ it starts for layer-wise loads (different layers, never the same pages at once).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -28,6 +27,7 @@ import torch
 
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import ChunkCopy
+from kvtier.connector.streams import DeviceOrdering, HostOrdering
 from kvtier.tiers.cpu.shm import SharedSegment
 
 log = logging.getLogger(__name__)
@@ -146,21 +146,12 @@ class PagedKV:
                 )
         self.device = self.rows[0].device
         self.is_cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        self.layer_events: list[torch.cuda.Event | None] = [None] * len(self.rows)
+        self.ordering: HostOrdering | DeviceOrdering = (
+            DeviceOrdering(self.device, len(self.rows)) if self.is_cuda else HostOrdering()
+        )
         # CPU: numpy views of the same memory; np.copyto costs ~1 µs a call against ~10 µs
         # for torch's copy_, which matters with one call per run of blocks.
         self.host_rows = [] if self.is_cuda else [rows.numpy() for rows in self.rows]
-
-    @contextlib.contextmanager
-    def _on_side_stream(self) -> Iterator[None]:
-        if self.stream is None:
-            yield
-            return
-        # Order after everything the compute stream has queued (the step's KV writes).
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            yield
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -168,7 +159,7 @@ class PagedKV:
     def load_layer(self, layer: int, pool: PoolView, chunks: Sequence[ChunkCopy]) -> None:
         """Copy layer ``layer`` of ``chunks`` from the pool into the KV pages."""
         geo = self.geometry
-        with self._on_side_stream():
+        with self.ordering.copying():
             for chunk in chunks:
                 count = len(chunk.block_ids)
                 start = layer * geo.layer_bytes + chunk.first_block * geo.page_bytes
@@ -181,22 +172,16 @@ class PagedKV:
                 src = pool.read(chunk.extents, start, count * geo.page_bytes)
                 src = src.view(count, geo.page_bytes).to(self.device, non_blocking=pool.pinned)
                 self.rows[layer].index_copy_(0, self._index(chunk.block_ids), src)
-            if self.stream is not None:
-                event = torch.cuda.Event()
-                event.record(self.stream)
-                self.layer_events[layer] = event
+            self.ordering.layer_loaded(layer)
 
     def wait_layer(self, layer: int) -> None:
         """Make the compute stream wait for layer ``layer``'s load (CUDA); no-op on CPU."""
-        event = self.layer_events[layer]
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-            self.layer_events[layer] = None
+        self.ordering.wait_layer(layer)
 
     def save_layer(self, layer: int, pool: PoolView, chunks: Sequence[ChunkCopy]) -> None:
         """Copy layer ``layer`` of the KV pages of ``chunks`` into the pool."""
         geo = self.geometry
-        with self._on_side_stream():
+        with self.ordering.copying():
             for chunk in chunks:
                 count = len(chunk.block_ids)
                 start = layer * geo.layer_bytes + chunk.first_block * geo.page_bytes
@@ -213,5 +198,4 @@ class PagedKV:
 
     def synchronize(self) -> None:
         """Wait for every copy issued so far (CUDA); no-op on CPU."""
-        if self.stream is not None:
-            self.stream.synchronize()
+        self.ordering.synchronize()

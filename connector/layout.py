@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtier.connector.fingerprint import model_config_fingerprint, weights_fingerprint
 from kvtier.keys import Namespace
 
 if TYPE_CHECKING:
@@ -57,7 +58,12 @@ class KvGeometry:
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """The per-instance half of a namespace; requests add cache_salt and LoRA."""
+    """The per-instance half of a namespace; requests add cache_salt and LoRA.
+
+    ``model_config_fp`` and ``weights_fp`` say what the weights *are* (``fingerprint.py``), so
+    two instances serving different weights under one name never share chunks; ``tag`` is the
+    operator's word for weights changed in place, and ``generation`` counts namespace bumps
+    (``reset_prefix_cache`` on a shared store)."""
 
     model: str
     revision: str
@@ -67,10 +73,17 @@ class ModelIdentity:
     tp_size: int
     pp_rank: int
     pp_size: int
+    model_config_fp: str = ""
+    weights_fp: str = ""
+    tag: str = ""
+    generation: int = 0
 
     def namespace(
-        self, geometry: KvGeometry, tp_rank: int, cache_salt: str = "", lora: str = ""
+        self, geometry: KvGeometry, tp_rank: int, salt_digest: str = "", lora_fp: str = ""
     ) -> Namespace:
+        """``salt_digest``: ``kvtier.keys.salt_digest(request.cache_salt)``; ``lora_fp``: the
+        adapter's weights fingerprint (``AdapterFingerprints``)."""
+        tag = self.tag if not self.generation else f"{self.tag}#gen={self.generation}"
         return Namespace(
             model=self.model,
             revision=self.revision,
@@ -84,8 +97,11 @@ class ModelIdentity:
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
             chunk_tokens=geometry.chunk_tokens,
-            cache_salt=cache_salt,
-            lora=lora,
+            cache_salt=salt_digest,
+            lora=lora_fp,
+            model_config_fp=self.model_config_fp,
+            weights_fp=self.weights_fp,
+            tag=tag,
         )
 
 
@@ -94,9 +110,12 @@ def describe(
     kv_cache_config: KVCacheConfig,
     chunk_tokens: int,
     model_id: str | None = None,
+    weights_tag: str = "",
+    fingerprint: bool = True,
 ) -> tuple[KvGeometry, ModelIdentity]:
     """Geometry and identity of this instance's KV cache. Raises UnsupportedModel for KV
-    layouts kvtier cannot chunk (several KV cache groups: hybrid/sliding-window models)."""
+    layouts kvtier cannot chunk (several KV cache groups: hybrid/sliding-window models,
+    context parallelism). ``fingerprint=False`` skips reading the weight files."""
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -127,20 +146,38 @@ def describe(
         chunk_tokens=chunk_tokens,
         kv_layout=kv_layout,
     )
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise UnsupportedModel("kvtier does not support pipeline parallelism yet")
+    check_parallelism(vllm_config.parallel_config)
     identity = ModelIdentity(
         model=model_id or str(model.model),
         revision=str(model.revision or ""),
         dtype=dtype,
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
-        tp_size=parallel.tensor_parallel_size,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
         pp_rank=0,
         pp_size=1,
+        model_config_fp=model_config_fingerprint(vllm_config),
+        weights_fp=weights_fingerprint(str(model.model), model.revision) if fingerprint else "",
+        tag=weights_tag,
     )
     return geometry, identity
+
+
+def check_parallelism(parallel: Any) -> None:
+    """Refuse layouts whose blocks do not hold ``block_size`` consecutive tokens of one rank's
+    heads: context parallelism (DCP/PCP) spreads a block's tokens over ranks, so a chunk key
+    would name KV that no single rank holds."""
+    if parallel.pipeline_parallel_size > 1:
+        raise UnsupportedModel("kvtier does not support pipeline parallelism yet")
+    dcp = getattr(parallel, "decode_context_parallel_size", 1) or 1
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1) or 1
+    if dcp > 1 or pcp > 1:
+        raise UnsupportedModel(
+            f"kvtier does not support context parallelism (decode_context_parallel_size={dcp}, "
+            f"prefill_context_parallel_size={pcp}): with it a KV block holds tokens interleaved "
+            "across ranks, which kvtier's chunks cannot name. Run without "
+            "--decode-context-parallel-size/--prefill-context-parallel-size, or without kvtier."
+        )
 
 
 def _cpu_attention_isa(spec: Any, cache_dtype: str) -> str:

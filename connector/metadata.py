@@ -15,16 +15,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvtier.tiers.base import SegmentRef
+
+__all__ = [
+    "ChunkCopy",
+    "KvtierMetadata",
+    "KvtierWorkerMetadata",
+    "LoadJob",
+    "SaveJob",
+    "SegmentRef",
+]
+
 Extent = tuple[int, int]
-
-
-@dataclass(frozen=True)
-class SegmentRef:
-    """The pool segment a job's offsets refer to (a store restart makes a new one)."""
-
-    name: str
-    size: int
-    epoch: int
 
 
 @dataclass(frozen=True)
@@ -35,30 +37,35 @@ class ChunkCopy:
     checksum: int  # of the whole chunk; 0 = not known (not verified)
     first_block: int  # index of the first copied block inside the chunk
     block_ids: tuple[int, ...]  # vLLM block ids receiving (load) / giving (save) the pages
+    key: bytes = b""  # the chunk's key (a worker names a corrupt chunk by it)
 
 
 @dataclass
 class LoadJob:
     req_id: str
-    segment: SegmentRef
+    segments: dict[int, SegmentRef]  # per TP rank: the store incarnation the extents are of
     chunks: dict[int, list[ChunkCopy]]  # per TP rank
     is_async: bool
     verify: bool
-    # Set when the scheduler already knows the data cannot be trusted (its lease lapsed):
-    # the worker copies nothing and reports every block as a load error.
-    failed: bool = False
+    # Set when the scheduler already knows the data cannot be trusted (a lease lapsed, the
+    # store restarted since the lookup): the worker copies nothing and reports every block
+    # as a load error. The text says why (logged by the worker).
+    failed: str = ""
     error_block_ids: tuple[int, ...] = ()  # blocks to fail when there are no chunks
 
     def block_ids(self, rank: int) -> list[int]:
         ids = [b for c in self.chunks.get(rank, []) for b in c.block_ids]
         return ids or list(self.error_block_ids)
 
+    def all_block_ids(self) -> set[int]:
+        return {b for rank in self.chunks for b in self.block_ids(rank)} | set(self.error_block_ids)
+
 
 @dataclass
 class SaveJob:
     job_id: int
     req_id: str
-    segment: SegmentRef
+    segments: dict[int, SegmentRef]  # per TP rank: the store incarnation the extents are of
     chunks: dict[int, list[ChunkCopy]]  # per TP rank, in key order
 
 
@@ -66,6 +73,9 @@ class SaveJob:
 class KvtierMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    # finished requests whose blocks vLLM held for a late save: after this step's copies the
+    # workers report them as finished sending, and vLLM frees the blocks
+    release_blocks: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -76,7 +86,9 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     save_failed: dict[int, set[int]] = field(default_factory=dict)
     loaded: dict[str, set[int]] = field(default_factory=dict)  # req id -> ranks done
     load_failed: dict[str, set[int]] = field(default_factory=dict)
-    corrupt: dict[str, set[int]] = field(default_factory=dict)  # req id -> ranks: bad checksum
+    # req id -> (rank, chunk key) of chunks whose bytes failed their checksum
+    corrupt: dict[str, set[tuple[int, bytes]]] = field(default_factory=dict)
+    error_blocks: set[int] = field(default_factory=set)  # every block reported as a load error
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KvtierWorkerMetadata:
         assert isinstance(other, KvtierWorkerMetadata)
@@ -87,9 +99,12 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
             (self.load_failed, other.load_failed),
             (self.corrupt, other.corrupt),
         ):
-            for key, ranks in theirs.items():
-                mine.setdefault(key, set()).update(ranks)  # type: ignore[arg-type]
+            for key, items in theirs.items():
+                mine.setdefault(key, set()).update(items)  # type: ignore[attr-defined]
+        self.error_blocks |= other.error_blocks
         return self
 
     def is_empty(self) -> bool:
-        return not (self.saved or self.save_failed or self.loaded or self.load_failed)
+        return not (
+            self.saved or self.save_failed or self.loaded or self.load_failed or self.corrupt
+        )

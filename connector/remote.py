@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.connector.counters import C, Counter, fetch_status_counter
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.index.api import ChunkIndex, ChunkOp, LocationKind, Query
 from kvtier.store.events import EventKind
@@ -45,13 +46,13 @@ class RemoteResolver:
         self.index = index
         self.tier = tier
         self.fetch_timeout_s = fetch_timeout_s
-        self._count: Callable[[str, float], None] = lambda name, value: None
+        self._count: Callable[[Counter, float], None] = lambda counter, value: None
         self._lock = threading.Lock()
         self._addresses: dict[str, str] = {}
         self._addresses_at = 0.0
         self.disabled_reason = ""
 
-    def bind_stats(self, count: Callable[[str, float], None]) -> None:
+    def bind_stats(self, count: Callable[[Counter, float], None]) -> None:
         self._count = count
 
     def close(self) -> None:
@@ -65,7 +66,7 @@ class RemoteResolver:
         try:
             holding = self._best_holder(ns_id, keys)
         except KvtierError as exc:  # index unreachable or degraded: no remote tier right now
-            self._count("remote_index_errors", 1)
+            self._count(C.REMOTE_INDEX_ERRORS, 1)
             log.debug("kvtier: index query failed: %s", exc)
             return None
         if holding is None or holding[1] < min_chunks:
@@ -73,23 +74,25 @@ class RemoteResolver:
         location, run = holding
         address = self._address_of(location)
         if address is None:
-            self._count("remote_unknown_holders", 1)
+            self._count(C.REMOTE_UNKNOWN_HOLDERS, 1)
             return None
         start = time.perf_counter()
         try:
-            result = self.tier.call("fetch", ns_id, keys[:run], address, self.fetch_timeout_s)
+            result = self.tier.fetch(ns_id, keys[:run], address, self.fetch_timeout_s)
         except KvtierError as exc:
             if exc.code is ErrorCode.UNAVAILABLE and "remote tier" in exc.message:
                 self.disabled_reason = exc.message  # the local store runs without it
                 log.warning("kvtier: remote tier off: %s", exc.message)
             else:
-                self._count("remote_fetch_errors", 1)
+                self._count(C.REMOTE_FETCH_ERRORS, 1)
                 log.warning("kvtier: fetch from %s failed: %s", location, exc)
             return None
-        self._count("remote_fetch_seconds", time.perf_counter() - start)
-        self._count("remote_fetched_bytes", result.bytes)
+        self._count(C.REMOTE_FETCH_SECONDS, time.perf_counter() - start)
+        self._count(C.REMOTE_FETCHED_BYTES, result.bytes)
         if not result.ok:
-            self._count(f"remote_fetch_{result.status.value}", 1)
+            short = fetch_status_counter(result.status)
+            if short is not None:
+                self._count(short, 1)
             log.info(
                 "kvtier: fetch of %d chunks from %s: %s after %d (%s)",
                 run,
@@ -136,6 +139,6 @@ class RemoteResolver:
             return
         try:
             self.index.apply(location, [ChunkOp(EventKind.REMOVED, Tier.CPU, ns_id, tuple(keys))])
-            self._count("remote_index_repairs", 1)
+            self._count(C.REMOTE_INDEX_REPAIRS, 1)
         except KvtierError as exc:
             log.debug("kvtier: index repair for %s failed: %s", location, exc)

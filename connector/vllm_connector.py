@@ -24,11 +24,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import StoreConfig, load_config
 from kvtier.connector.config import parse_extra_config
+from kvtier.connector.counters import C
+from kvtier.connector.guard import HookGuard
 from kvtier.connector.layout import describe
 from kvtier.connector.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.connector.scheduler import ConnectorScheduler
 from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
 from kvtier.connector.worker import ConnectorWorker
+from kvtier.errors import KvtierError
 from kvtier.store.service import connect
 
 if TYPE_CHECKING:
@@ -58,10 +61,16 @@ class KvtierConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_connector_extra_config, block_size
         )
         geometry, identity = describe(
-            vllm_config, kv_cache_config, self.config.chunk_tokens, self.config.model_id
+            vllm_config,
+            kv_cache_config,
+            self.config.chunk_tokens,
+            self.config.model_id,
+            weights_tag=self.config.weights_tag,
+            fingerprint=self.config.fingerprint_weights and role == KVConnectorRole.SCHEDULER,
         )
         self.scheduler: ConnectorScheduler | None = None
         self.worker: ConnectorWorker | None = None
+        self.guard = HookGuard()
         if role == KVConnectorRole.SCHEDULER:
             embedded = self.config.store_address is None
             base = load_config().store.model_dump()
@@ -73,7 +82,12 @@ class KvtierConnector(KVConnectorBase_V1):
             store_config = StoreConfig.model_validate(
                 {**base, "address": self.config.store_address}
             )
-            tier = connect(store_config)
+            tier = connect(
+                store_config,
+                timeout_s=self.config.store_timeout_s,
+                max_namespaces=self.config.max_namespaces,
+                lazy=True,  # an engine may start before its node store: misses until it is up
+            )
             remote = None
             if "remote" in self.config.tiers:
                 from kvtier.connector.remote import RemoteResolver
@@ -122,11 +136,15 @@ class KvtierConnector(KVConnectorBase_V1):
             endpoints["replay"] = reachable(events.replay_endpoint)
         namespaces = tuple(identity.namespace(geometry, rank) for rank in range(identity.tp_size))
         name = self.config.instance_id or f"vllm-{self._kv_transfer_config.engine_id}"
+        try:
+            node = tier.info.node_id
+        except KvtierError:  # store not up: the index learns the node from the store later
+            node = ""
         registration = Registration(
             name,
             LocationKind.INSTANCE,
             tuple(ns.root_key() for ns in namespaces),
-            node=tier.info.node_id,
+            node=node,
             endpoints=endpoints,
         )
         return Announcer(self.config.index_address, registration, namespaces)
@@ -140,14 +158,28 @@ class KvtierConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception as exc:  # this request is a miss; the engine keeps serving
+            self._contained("get_num_new_matched_tokens", exc)
+            return 0, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-        self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+        try:
+            self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+        except Exception as exc:
+            self._contained("update_state_after_alloc", exc)
+            if num_external_tokens:  # vLLM counts them as loaded: make them load errors
+                self.scheduler.fail_external(
+                    request.request_id,
+                    block_ids,
+                    self.scheduler.local_hit(request.request_id),
+                    num_external_tokens,
+                )
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -160,37 +192,91 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        scheduled = [
-            (r.req_id, r.num_computed_tokens, scheduler_output.num_scheduled_tokens[r.req_id])
-            for r in scheduler_output.scheduled_new_reqs
-        ]
-        cached = scheduler_output.scheduled_cached_reqs
-        scheduled += [
-            (req_id, cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens[req_id])
-            for i, req_id in enumerate(cached.req_ids)
-        ]
-        return self.scheduler.build_meta(scheduled)
+        try:
+            scheduled = [
+                (r.req_id, r.num_computed_tokens, scheduler_output.num_scheduled_tokens[r.req_id])
+                for r in scheduler_output.scheduled_new_reqs
+            ]
+            cached = scheduler_output.scheduled_cached_reqs
+            scheduled += [
+                (
+                    req_id,
+                    cached.num_computed_tokens[i],
+                    scheduler_output.num_scheduled_tokens[req_id],
+                )
+                for i, req_id in enumerate(cached.req_ids)
+            ]
+            preempted = set(scheduler_output.preempted_req_ids or ())
+        except Exception as exc:
+            self._contained("build_connector_meta", exc)
+            scheduled, preempted = [], set()
+        # never raises: loads go out whatever happens (failed ones as failures)
+        return self.scheduler.build_meta(scheduled, preempted)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
-        meta = connector_output.kv_connector_worker_meta
-        self.scheduler.on_worker_output(meta if isinstance(meta, KvtierWorkerMetadata) else None)
+        try:
+            meta = connector_output.kv_connector_worker_meta
+            self.scheduler.on_worker_output(
+                meta if isinstance(meta, KvtierWorkerMetadata) else None
+            )
+        except Exception as exc:
+            self._contained("update_connector_output", exc)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        self.scheduler.request_finished(request.request_id)
-        # Saves copy within the step that completes a chunk, so the blocks are free to go.
-        return False, None
+        try:
+            # True only while a save of its blocks waits for pool space (then the workers
+            # report it finished sending once copied); saves otherwise copy within the step
+            # that completes a chunk, so the blocks are free to go.
+            return self.scheduler.request_finished(request.request_id), None
+        except Exception as exc:
+            self._contained("request_finished", exc)
+            return False, None
 
     def reset_cache(self) -> bool | None:
+        """vLLM's reset_prefix_cache: clear an embedded store; with a shared node store,
+        bump this instance's namespace (``on_reset: bump``): it never reads a chunk stored
+        before the reset, and other instances keep theirs."""
         assert self.scheduler is not None
-        if self.config.store_address is not None:
-            log.warning("kvtier: not clearing a shared node store on reset_prefix_cache")
+        try:
+            if self.config.store_address is None:
+                self.scheduler.tier.clear()
+                return True
+            if self.config.on_reset == "refuse":
+                log.warning("kvtier: not resetting a shared node store (on_reset: refuse)")
+                return False
+            generation = self.scheduler.bump_namespace()
+            log.warning(
+                "kvtier: reset_prefix_cache with a shared store: namespace bumped to generation "
+                "%d (chunks stored before are no longer read by this instance; instances that "
+                "must keep sharing after in-place weight updates should set weights_tag)",
+                generation,
+            )
+            return True
+        except Exception as exc:
+            self._contained("reset_cache", exc)
             return False
-        self.scheduler.tier.call("clear")
-        return True
+
+    def _contained(self, hook: str, exc: Exception) -> None:
+        self.guard.record(hook, exc)
+        if self.scheduler is not None:
+            self.scheduler.tally.add(C.HOOK_ERRORS)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Sync loads wait per layer (``wait_for_layer_load``), which a full CUDA graph would
+        skip on replay: the attention of a request with one token left in a uniform-decode
+        batch would read pages still being copied. Saves are safe either way (layers a graph
+        skipped are copied in ``wait_for_save``)."""
+        load_mode = (extra_config or {}).get("load_mode")
+        if load_mode is None:
+            from kvtier.config import load_config
+
+            load_mode = load_config().connector.load_mode
+        return load_mode == "sync"
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -206,11 +292,14 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self.worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
-        self.worker.start_load_kv(meta)
+        self.worker.start_load_kv(meta)  # contains its own failures (they become load errors)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self.worker is not None
-        self.worker.wait_for_layer_load(layer_name)
+        try:
+            self.worker.wait_for_layer_load(layer_name)
+        except Exception as exc:  # the load thread reports the load itself as failed
+            self.guard.record("wait_for_layer_load", exc)
 
     def save_kv_layer(
         self,
@@ -222,7 +311,10 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self.worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
-        self.worker.save_layer(meta, layer_name)
+        try:
+            self.worker.save_layer(meta, layer_name)
+        except Exception as exc:  # the save is retried at wait_for_save, or reported failed
+            self.guard.record("save_kv_layer", exc)
 
     def wait_for_save(self) -> None:
         assert self.worker is not None
@@ -232,7 +324,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        return self.worker.get_finished()
+        return self.worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None

@@ -23,6 +23,7 @@ from collections import OrderedDict
 import torch
 
 from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.counters import C, Tally
 from kvtier.connector.kv_copy import PagedKV, PoolView
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import (
@@ -50,7 +51,7 @@ class ConnectorWorker:
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._out = KvtierWorkerMetadata()
-        self.stats = WorkerStats()
+        self.stats = Tally()
         # layer-wise sync loading
         self._layer_ready: list[threading.Event] = []
         self._load_thread: threading.Thread | None = None
@@ -58,6 +59,9 @@ class ConnectorWorker:
         # layer-wise saving, per step
         self._saved_layers: set[int] = set()
         self._failed_saves: set[int] = set()
+        # held blocks: requests whose late saves were copied, and requests vLLM said finished
+        self._releasing: set[str] = set()
+        self._announced: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv = PagedKV(kv_caches, self.geometry)
@@ -74,18 +78,30 @@ class ConnectorWorker:
     # -- loads -------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
-        sync_jobs = [job for job in meta.loads if not job.is_async]
-        for job in meta.loads:
-            if job.is_async:
-                self._run_load(job, range(self.geometry.num_layers))
-                self._finished_recving.add(job.req_id)
-        if sync_jobs:
+        try:
+            if self.kv is not None:  # this is the model runner's thread: its stream orders copies
+                self.kv.ordering.bind_compute()
+            sync_jobs = [job for job in meta.loads if not job.is_async]
+            for job in meta.loads:
+                if job.is_async:
+                    self._run_load(job, range(self.geometry.num_layers))
+                    self._finished_recving.add(job.req_id)
+            if sync_jobs:
+                for event in self._layer_ready:
+                    event.clear()
+                self._load_thread = threading.Thread(
+                    target=self._load_layers, args=(sync_jobs,), name="kvtier-load", daemon=True
+                )
+                self._load_thread.start()
+        except Exception as exc:  # never take the engine down: every load of the step fails
+            log.exception("kvtier: starting loads failed")
+            for job in meta.loads:
+                if job.req_id not in self._out.load_failed:
+                    self._fail_load(job, repr(exc))
+                if job.is_async:
+                    self._finished_recving.add(job.req_id)
             for event in self._layer_ready:
-                event.clear()
-            self._load_thread = threading.Thread(
-                target=self._load_layers, args=(sync_jobs,), name="kvtier-load", daemon=True
-            )
-            self._load_thread.start()
+                event.set()
 
     def _load_layers(self, jobs: list[LoadJob]) -> None:
         try:
@@ -115,7 +131,7 @@ class ConnectorWorker:
 
     def _run_load(self, job: LoadJob, layers: range | tuple[int, ...], final: bool = True) -> None:
         if job.failed:
-            self._fail_load(job, "the scheduler could not vouch for the bytes (lease lapsed)")
+            self._fail_load(job, job.failed)
             return
         chunks = job.chunks.get(self.rank, [])
         if not chunks:
@@ -123,21 +139,27 @@ class ConnectorWorker:
         start = time.perf_counter()
         try:
             assert self.kv is not None, "register_kv_caches was not called"
-            pool = self._pool(job.segment)
+            pool = self._pool(job.segments[self.rank])
+            if not pool.segment.is_live():
+                raise RuntimeError(f"pool segment {pool.segment.name} is no longer the store's")
             for layer in layers:
                 self.kv.load_layer(layer, pool, chunks)
             if final:
                 self.kv.synchronize()
+                # The store incarnation the extents belong to must still be the one serving:
+                # a restart mid-copy means the lease that guarded them is gone.
+                if not pool.segment.is_live():
+                    raise RuntimeError("the store restarted during the copy")
                 if job.verify:
                     self._verify(job, pool)
         except Exception as exc:
             self._fail_load(job, repr(exc))
             return
-        self.stats.add("load_seconds", time.perf_counter() - start)
+        self.stats.add(C.LOAD_SECONDS, time.perf_counter() - start)
         if final:
-            self.stats.add("loaded_chunks", len(chunks))
+            self.stats.add(C.LOADED_CHUNKS, len(chunks))
             self.stats.add(
-                "loaded_bytes",
+                C.LOADED_BYTES,
                 sum(len(c.block_ids) for c in chunks)
                 * self.geometry.page_bytes
                 * self.geometry.num_layers,
@@ -145,14 +167,22 @@ class ConnectorWorker:
             self._out.loaded.setdefault(job.req_id, set()).add(self.rank)
 
     def _verify(self, job: LoadJob, pool: PoolView) -> None:
+        """Check every loaded chunk against its checksum; report exactly the bad ones."""
+        bad = []
+        seen: set[bytes] = set()
         for chunk in job.chunks.get(self.rank, []):
+            if chunk.key in seen:
+                continue  # a chunk split over several copies: checked once
+            seen.add(chunk.key)
             if not chunk.checksum:
-                self.stats.add("unverified_chunks", 1)
+                self.stats.add(C.UNVERIFIED_CHUNKS, 1)
                 continue
             views = [pool.segment.array[o : o + n] for o, n in chunk.extents]
             if checksum_views(views) != chunk.checksum:
-                self._out.corrupt.setdefault(job.req_id, set()).add(self.rank)
-                raise ValueError(f"checksum mismatch in a chunk of request {job.req_id}")
+                bad.append(chunk.key)
+        if bad:
+            self._out.corrupt.setdefault(job.req_id, set()).update((self.rank, k) for k in bad)
+            raise ValueError(f"{len(bad)} chunks of request {job.req_id} failed their checksum")
 
     def _fail_load(self, job: LoadJob, why: str) -> None:
         blocks = job.block_ids(self.rank)
@@ -163,7 +193,8 @@ class ConnectorWorker:
             len(blocks),
         )
         self._load_errors.update(blocks)
-        self.stats.add("load_error_blocks", len(blocks))
+        self._out.error_blocks.update(blocks)
+        self.stats.add(C.LOAD_ERROR_BLOCKS, len(blocks))
         self._out.load_failed.setdefault(job.req_id, set()).add(self.rank)
 
     # -- saves -------------------------------------------------------------------------------
@@ -182,13 +213,13 @@ class ConnectorWorker:
         """End of the step (wait_for_save): copy the layers ``save_layer`` did not see, wait for
         the copies, report. The scheduler commits a chunk when every rank reported it."""
         self._finish_sync_loads()
-        for job in meta.saves:
-            if not job.chunks.get(self.rank):
-                continue
-            for layer in range(self.geometry.num_layers):
-                if layer not in self._saved_layers:
-                    self._save_job_layer(job, layer)
         try:
+            for job in meta.saves:
+                if not job.chunks.get(self.rank):
+                    continue
+                for layer in range(self.geometry.num_layers):
+                    if layer not in self._saved_layers:
+                        self._save_job_layer(job, layer)
             if self.kv is not None:
                 self.kv.synchronize()
         except Exception as exc:
@@ -201,11 +232,13 @@ class ConnectorWorker:
             if job.job_id in self._failed_saves:
                 self._out.save_failed.setdefault(job.job_id, set()).add(self.rank)
             else:
-                self.stats.add("saved_chunks", len(chunks))
-                self.stats.add("saved_bytes", len(chunks) * self.geometry.chunk_bytes)
+                self.stats.add(C.SAVED_CHUNKS, len(chunks))
+                self.stats.add(C.SAVED_BYTES, len(chunks) * self.geometry.chunk_bytes)
                 self._out.saved.setdefault(job.job_id, set()).add(self.rank)
         self._saved_layers.clear()
         self._failed_saves.clear()
+        # blocks held for this step's late saves are copied now: vLLM may free them
+        self._releasing.update(meta.release_blocks)
 
     def _save_job_layer(self, job: SaveJob, layer: int) -> None:
         chunks = job.chunks.get(self.rank, [])
@@ -214,18 +247,27 @@ class ConnectorWorker:
         start = time.perf_counter()
         try:
             assert self.kv is not None
-            self.kv.save_layer(layer, self._pool(job.segment), chunks)
+            self.kv.save_layer(layer, self._pool(job.segments[self.rank]), chunks)
         except Exception as exc:
             log.warning("kvtier save of %s failed: %r", job.req_id, exc)
             self._failed_saves.add(job.job_id)
-        self.stats.add("save_seconds", time.perf_counter() - start)
+        self.stats.add(C.SAVE_SECONDS, time.perf_counter() - start)
 
     # -- reporting ---------------------------------------------------------------------------
 
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(
+        self, finished_req_ids: set[str] | frozenset[str] = frozenset()
+    ) -> tuple[set[str] | None, set[str] | None]:
         self._finish_sync_loads()
         recving, self._finished_recving = self._finished_recving, set()
-        return None, recving or None
+        # vLLM accepts a finished send only for a request it announced as finished
+        self._announced.update(finished_req_ids)
+        sending = self._releasing & self._announced
+        self._releasing -= sending
+        self._announced -= sending
+        while len(self._announced) > 65536:  # requests never held: forget the oldest
+            self._announced.pop()
+        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_sync_loads()
@@ -240,6 +282,10 @@ class ConnectorWorker:
 
     def _pool(self, ref: SegmentRef) -> PoolView:
         pool = self._pools.get(ref.name)
+        if pool is not None and not pool.segment.is_live():
+            del self._pools[ref.name]  # the store is gone: drop the mapping
+            pool.close()
+            pool = None
         if pool is None:
             try:
                 segment = SharedSegment.attach(ref.name, ref.size)
@@ -258,17 +304,3 @@ class ConnectorWorker:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
-
-
-class WorkerStats:
-    """Counters since the last report (vLLM aggregates them across workers and steps)."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, float] = {}
-
-    def add(self, name: str, value: float) -> None:
-        self.data[name] = self.data.get(name, 0) + value
-
-    def take(self) -> dict[str, float]:
-        out, self.data = self.data, {}
-        return out

@@ -1,9 +1,9 @@
 """Canonical chunk keys: the name of a piece of KV cache everywhere in the cluster.
 
-The spec lives in docs/chunk-keys.md (with test vectors in docs/chunk-key-vectors.json); this
-module is its reference implementation. In short:
+The spec lives in docs/keys/spec.md (with test vectors in docs/keys/vectors.json); this module
+is its reference implementation. In short:
 
-    root  = XXH3-128(b"kvtier/ns/v1\\n" + namespace.canonical_bytes())
+    root  = XXH3-128(b"kvtier/ns/v2\\n" + namespace.canonical_bytes())
     key_i = XXH3-128(key_{i-1} || u32le(tokens[i*C : (i+1)*C]))      key_{-1} = root
 
 Keys are 16-byte ``bytes`` (XXH3-128's canonical big-endian digest). Only full chunks are keyed.
@@ -22,8 +22,9 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 KEY_BYTES = 16
-NAMESPACE_DOMAIN = b"kvtier/ns/v1\n"
-SPEC_VERSION = 1
+NAMESPACE_DOMAIN = b"kvtier/ns/v2\n"
+SPEC_VERSION = 2
+SALT_DOMAIN = b"kvtier/salt/v1\n"
 
 ChunkKey = bytes  # 16 bytes
 
@@ -54,8 +55,24 @@ class Namespace(BaseModel):
     pp_rank: int = Field(0, ge=0)
     pp_size: int = Field(1, ge=1)
     chunk_tokens: int = Field(256, ge=1)
-    cache_salt: str = Field("", description="tenant isolation: chunks never match across salts")
-    lora: str = Field("", description="LoRA adapter name, '' for the base model")
+    cache_salt: str = Field(
+        "",
+        description="tenant isolation: salt_digest() of the request's cache_salt ('' for none); "
+        "chunks never match across salts, and the salt itself never leaves the engine",
+    )
+    lora: str = Field(
+        "", description="fingerprint of the LoRA adapter's weights (not its name), '' for none"
+    )
+    # spec 2: what the weights are, not only what they are called
+    model_config_fp: str = Field(
+        "", description="fingerprint of the model config as the engine resolved it"
+    )
+    weights_fp: str = Field("", description="fingerprint of the weight files")
+    tag: str = Field(
+        "",
+        description="operator's tag for weights changed in place (e.g. the training step), "
+        "plus '#gen=N' after a namespace bump",
+    )
 
     @field_validator("*", mode="after")
     @classmethod
@@ -72,6 +89,16 @@ class Namespace(BaseModel):
 
     def root_key(self) -> ChunkKey:
         return xxhash.xxh3_128_digest(NAMESPACE_DOMAIN + self.canonical_bytes())
+
+
+def salt_digest(salt: str | None) -> str:
+    """The namespace's ``cache_salt`` value for a request's salt: 32 hex digits of
+    XXH3-128(b"kvtier/salt/v1\\n" + UTF-8 salt), '' for no salt. Any string vLLM accepts works
+    (line breaks, any Unicode), and no store, index or log ever sees the salt itself."""
+    if not salt:
+        return ""
+    raw = salt.encode("utf-8", "surrogatepass")
+    return xxhash.xxh3_128_hexdigest(SALT_DOMAIN + raw)
 
 
 def _token_bytes(tokens: Sequence[int] | Any) -> memoryview:
@@ -149,6 +176,10 @@ class PromptKeyer:
         parent = self.keys[-1] if self.keys else self._root
         self.keys += chunk_keys(parent, tokens[start:], self._chunk_tokens)
         return self.keys
+
+    def truncate(self, chunks: int) -> None:
+        """Forget keys past the first ``chunks`` (their tokens may change)."""
+        del self.keys[chunks:]
 
 
 def key_hex(key: ChunkKey) -> str:

@@ -23,8 +23,9 @@ ends), a *window* is one chunk's span ``[w, w + C)``:
 A chunk is held in a medium when every block of its span is; a block removed from a medium
 removes every chunk whose span includes it. vLLM may cache the same hash in two physical
 blocks (two requests computing the same prefix at once) and then stores and removes it twice,
-so presence is a count per medium. LoRA names and cache salts select a derived namespace
-(``lora=``, ``cache_salt=``) so their keys match a router that keys the same request.
+so presence is a count per medium. Cache salts select a derived namespace (``cache_salt=`` the
+salt's digest) so their keys match a router that keys the same request; blocks of LoRA
+requests are opaque (their namespace names the adapter's weights, which events do not carry).
 
 Threading: not thread-safe; one mapper per instance, owned by its follower thread.
 """
@@ -41,7 +42,7 @@ import xxhash
 
 from kvtier.index.api import ChunkOp
 from kvtier.index.vllm_wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEvent
-from kvtier.keys import Namespace
+from kvtier.keys import Namespace, salt_digest
 from kvtier.store.events import EventKind
 from kvtier.tiers.base import Tier
 
@@ -390,9 +391,12 @@ class BlockMapper:
     def _namespace_set(self, ev: BlockStored, extra: Any) -> int:
         """Derived namespace set of a prompt's first block (-1 = opaque)."""
         lora = ev.lora_name or ""
+        if lora:
+            # A LoRA namespace holds the adapter's weights fingerprint, which its name does
+            # not give: such blocks stay unknown to the index (a miss for routers, never a
+            # wrong hit).
+            return -1
         items = list(extra) if extra else []
-        if lora and items and items[0] == lora:
-            items = items[1:]
         salt = ""
         for item in items:
             if not isinstance(item, str) or salt:
@@ -401,9 +405,9 @@ class BlockMapper:
         key = (lora, salt)
         nsx = self._nsx.get(key)
         if nsx is None:
+            digest = salt_digest(salt)
             derived = [
-                ns.model_copy(update={"lora": lora or ns.lora, "cache_salt": salt or ns.cache_salt})
-                for ns in self._base
+                ns.model_copy(update={"cache_salt": digest or ns.cache_salt}) for ns in self._base
             ]
             nsx = len(self._nsets)
             self._nsets.append(tuple(ns.root_key() for ns in derived))

@@ -7,9 +7,12 @@ the implementation and against the C reference in docs/keys/reference.c.
 import json
 from pathlib import Path
 
-from kvtier.keys import Namespace, prompt_keys
+from kvtier.connector.fingerprint import config_fingerprint
+from kvtier.keys import Namespace, prompt_keys, salt_digest
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "keys" / "vectors.json"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "keys"
+OUT = DOCS / "vectors.json"
+FINGERPRINTS = DOCS / "fingerprint-vectors.json"
 
 
 def lcg_tokens(n: int, seed: int, vocab: int) -> list[int]:
@@ -45,7 +48,7 @@ CASES = [
             num_kv_heads=2,
             head_size=64,
             chunk_tokens=4,
-            cache_salt="tenant-b",
+            cache_salt=salt_digest("tenant-b"),
         ),
         list(range(11)),
     ),
@@ -67,10 +70,20 @@ CASES = [
             head_size=128,
             tp_rank=1,
             tp_size=2,
-            lora="sql-adapter",
+            lora="5f0c4e3b9d2a41e8a7c6b5d4e3f2a1b0",
+            model_config_fp=config_fingerprint({"hf_config": {"model_type": "qwen3"}}),
+            weights_fp="0123456789abcdef0123456789abcdef",
+            tag="step-1200",
         ),
         lcg_tokens(3 * 256 + 100, seed=42, vocab=151936),
     ),
+]
+
+SALTS = ["", "tenant-b", "tenant\nb\u00e9", "\U0001f510 key with spaces"]
+CONFIGS = [
+    {},
+    {"hf_config": {"model_type": "llama", "rope_parameters": {"rope_theta": 10000.0}}},
+    {"hf_config": {"model_type": "llama"}, "quantization": "fp8", "compute_dtype": "bfloat16"},
 ]
 
 
@@ -90,6 +103,14 @@ def main() -> None:
     body = ",\n".join(json.dumps(v) for v in vectors)
     OUT.write_text(f"[\n{body}\n]\n")
     print(f"wrote {len(vectors)} vectors to {OUT}")
+    fingerprints = {
+        "salt_digest": [{"salt": salt, "digest": salt_digest(salt)} for salt in SALTS],
+        "model_config": [
+            {"config": config, "fingerprint": config_fingerprint(config)} for config in CONFIGS
+        ],
+    }
+    FINGERPRINTS.write_text(json.dumps(fingerprints, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote fingerprint vectors to {FINGERPRINTS}")
 
 
 if __name__ == "__main__":

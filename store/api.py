@@ -45,6 +45,11 @@ class StoreClient(abc.ABC):
     @abc.abstractmethod
     def info(self) -> StoreInfo: ...
 
+    def reattach(self) -> StoreInfo:
+        """After STALE_EPOCH: adopt the store's current incarnation and return its info. An
+        in-process store never restarts under its client, so it just answers ``info()``."""
+        return self.info()
+
     @abc.abstractmethod
     def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
         """Declare a namespace and its chunk size; returns the namespace id (its root key)."""

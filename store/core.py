@@ -151,7 +151,7 @@ class StoreCore:
             self.counters["hit_chunks"] += len(hits)
             self.counters["miss_chunks"] += len(keys) - len(hits)
             self.counters["pending_lookups"] += stop is LookupStatus.PENDING
-            return LookupResult([self._location(e) for e in hits], stop, lease_id)
+            return LookupResult([self._location(e) for e in hits], stop, lease_id, self.epoch)
 
     def committed_mask(self, ns_id: bytes, keys: Sequence[bytes]) -> list[bool]:
         """Per key: committed here now. No side effects (no lease, no use counted)."""
@@ -267,7 +267,7 @@ class StoreCore:
                 self.counters[status.value] += 1
             self._emit_removed(evicted)
             lease_id = self._leases.create(LeaseKind.WRITE, written, now + ttl).id if written else 0
-            return AllocateResult(lease_id, statuses, locations)
+            return AllocateResult(lease_id, statuses, locations, self.epoch)
 
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
         """Make written chunks readable. ``keys=None`` commits the whole lease.

@@ -31,7 +31,9 @@ FETCH_REPLY_MARGIN_S = 5.0
 
 
 class GrpcStoreClient(StoreClient):
-    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 10.0, lazy: bool = False) -> None:
+        """``lazy``: do not fail when the store is not reachable yet (an engine may start
+        before its node store); every call then answers UNAVAILABLE until it is."""
         self.address = address
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(
@@ -46,11 +48,16 @@ class GrpcStoreClient(StoreClient):
             ],
         )
         self._stub = store_pb2_grpc.StoreStub(self._channel)
-        self._info = self._fetch_info()
+        self._info: StoreInfo | None = None
+        try:
+            self._info = self._fetch_info()
+        except KvtierError as exc:
+            if not lazy or exc.code is not ErrorCode.UNAVAILABLE:
+                raise  # lazy: a store not up yet is attached to on first use
 
     @property
     def epoch(self) -> int:
-        return self._info.epoch
+        return self.info().epoch
 
     def reattach(self) -> StoreInfo:
         """Adopt the store's current epoch (after STALE_EPOCH). Returns the new info."""
@@ -79,7 +86,12 @@ class GrpcStoreClient(StoreClient):
     # -- StoreClient -------------------------------------------------------------------------
 
     def info(self) -> StoreInfo:
-        return self._info
+        """The incarnation this client is attached to (attaching now if it was not yet:
+        UNAVAILABLE while the store cannot be reached)."""
+        info = self._info
+        if info is None:
+            info = self._info = self._fetch_info()
+        return info
 
     def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
         reply = self._call(
@@ -95,14 +107,18 @@ class GrpcStoreClient(StoreClient):
     def lookup(
         self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None = None
     ) -> LookupResult:
+        epoch = self.epoch  # the reply's extents belong to the epoch the request was made in
         reply = self._call(
             "Lookup",
             pb.LookupRequest(
-                epoch=self.epoch, ns_id=ns_id, keys=pack_keys(keys), lease_ttl_s=lease_ttl_s or 0
+                epoch=epoch, ns_id=ns_id, keys=pack_keys(keys), lease_ttl_s=lease_ttl_s or 0
             ),
         )
         return LookupResult(
-            wire.locations_from_pb(reply.hits), wire.LOOKUP_STATUS_BACK[reply.stop], reply.lease_id
+            wire.locations_from_pb(reply.hits),
+            wire.LOOKUP_STATUS_BACK[reply.stop],
+            reply.lease_id,
+            epoch,
         )
 
     def allocate(
@@ -114,16 +130,17 @@ class GrpcStoreClient(StoreClient):
     ) -> AllocateResult:
         if any(size < 0 for size in sizes):
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "chunk sizes must be >= 0")
+        epoch = self.epoch
         reply = self._call(
             "Allocate",
             pb.AllocateRequest(
-                epoch=self.epoch, ns_id=ns_id, keys=pack_keys(keys), sizes=sizes, ttl_s=ttl_s or 0
+                epoch=epoch, ns_id=ns_id, keys=pack_keys(keys), sizes=sizes, ttl_s=ttl_s or 0
             ),
         )
         statuses = [wire.ALLOC_STATUS_BACK[s] for s in reply.statuses]
         allocated = iter(wire.locations_from_pb(reply.allocated))
         locations = [next(allocated) if s.value == "allocated" else None for s in statuses]
-        return AllocateResult(reply.lease_id, statuses, locations)
+        return AllocateResult(reply.lease_id, statuses, locations, epoch)
 
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
         request = pb.CommitRequest(
@@ -183,15 +200,19 @@ class GrpcStoreClient(StoreClient):
         lease_ttl_s: float | None = None,
         timeout_s: float | None = None,
     ) -> LookupResult:
+        epoch = self.epoch
         reply = self._call(
             "LeaseForPeer",
             pb.LookupRequest(
-                epoch=self.epoch, ns_id=ns_id, keys=pack_keys(keys), lease_ttl_s=lease_ttl_s or 0
+                epoch=epoch, ns_id=ns_id, keys=pack_keys(keys), lease_ttl_s=lease_ttl_s or 0
             ),
             timeout=timeout_s,
         )
         return LookupResult(
-            wire.locations_from_pb(reply.hits), wire.LOOKUP_STATUS_BACK[reply.stop], reply.lease_id
+            wire.locations_from_pb(reply.hits),
+            wire.LOOKUP_STATUS_BACK[reply.stop],
+            reply.lease_id,
+            epoch,
         )
 
     def fetch(

@@ -146,7 +146,10 @@ class NodeStore(StoreClient):
         return self.core.allocate(ns_id, keys, sizes, ttl_s)
 
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
-        return self.core.commit(lease_id, keys, checksums)
+        committed = self.core.commit(lease_id, keys, checksums)
+        if committed and not all(checksums):
+            self._checksum_wake.set()  # checksum them now: loads that verify wait for it
+        return committed
 
     def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int:
         return self.core.abort(lease_id, keys)

@@ -29,12 +29,16 @@ from kvtier.tiers.cpu.tier import CpuTier
 log = logging.getLogger(__name__)
 
 
-def connect(config: StoreConfig) -> CpuTier:
-    """The CPU tier of this node: the configured store, or an embedded one."""
+def connect(
+    config: StoreConfig, timeout_s: float = 10.0, max_namespaces: int = 4096, lazy: bool = False
+) -> CpuTier:
+    """The CPU tier of this node: the configured store, or an embedded one. ``timeout_s``
+    bounds each control call to a served store; ``lazy`` tolerates one not up yet."""
     if config.address:
-        return CpuTier(GrpcStoreClient(config.address))
+        client = GrpcStoreClient(config.address, timeout_s, lazy=lazy)
+        return CpuTier(client, max_namespaces=max_namespaces)
     node = NodeStore(config)
-    return CpuTier(node, segment=node.segment)
+    return CpuTier(node, segment=node.segment, max_namespaces=max_namespaces)
 
 
 @dataclass

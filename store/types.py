@@ -76,6 +76,7 @@ class LookupResult:
     hits: list[ChunkLocation]  # the longest committed prefix of the keys asked
     stop: LookupStatus  # HIT when every key hit, else what the first non-hit was
     lease_id: int  # 0 when no lease was asked for or nothing hit
+    epoch: int = 0  # the store incarnation the extents belong to (0: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,7 @@ class AllocateResult:
     lease_id: int  # write lease over the ALLOCATED chunks (0 if none)
     statuses: list[AllocStatus]
     locations: list[ChunkLocation | None]  # where to write, for ALLOCATED chunks
+    epoch: int = 0  # the store incarnation the extents belong to (0: not known)
 
 
 @dataclass(frozen=True, slots=True)

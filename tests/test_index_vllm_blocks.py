@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvtier.index.api import ChunkOp
 from kvtier.index.vllm_blocks import BlockMapper
 from kvtier.index.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
-from kvtier.keys import Namespace, prompt_keys
+from kvtier.keys import Namespace, prompt_keys, salt_digest
 from kvtier.store.events import EventKind
 from kvtier.tiers.base import Tier
 
@@ -142,27 +142,26 @@ def test_all_blocks_cleared_and_other_media() -> None:
     assert keys_of(mapper.take_ops(), tier=Tier.DISK) == keys
 
 
-def test_lora_and_cache_salt_select_derived_namespaces() -> None:
+def test_cache_salt_selects_a_derived_namespace_and_lora_blocks_stay_unknown() -> None:
     ns, bs = namespace(16), 8
     tokens = list(range(1000, 1032))
     mapper = BlockMapper([ns])
     n = len(tokens) // bs
-    ev, _ = stored_event(
-        tokens,
-        bs,
-        lora_name="sql",
-        salt_hash="s1",
-        extra_keys=[("sql", "tenant-a")] + [("sql",)] * (n - 1),
-    )
+    ev, _ = stored_event(tokens, bs, salt_hash="s1", extra_keys=[("tenant\na",)] + [None] * (n - 1))
     mapper.stored(ev)
-    derived = ns.model_copy(update={"lora": "sql", "cache_salt": "tenant-a"})
+    derived = ns.model_copy(update={"cache_salt": salt_digest("tenant\na")})
     (op,) = mapper.take_ops()
     assert op.ns_id == derived.root_key() and list(op.keys) == prompt_keys(derived, tokens)
     assert mapper.new_namespaces == [derived]
-    # the same tokens without salt or LoRA: the base namespace
+    # the same tokens without salt: the base namespace
     mapper.stored(stored_event(tokens, bs)[0])
     (op,) = mapper.take_ops()
     assert op.ns_id == ns.root_key()
+    # a LoRA's namespace names its weights, which events do not carry: nothing is indexed
+    lora_tokens = list(range(2000, 2032))
+    ev, _ = stored_event(lora_tokens, bs, lora_name="sql", extra_keys=[("sql",)] * n)
+    mapper.stored(ev)
+    assert mapper.take_ops() == []
 
 
 def test_opaque_blocks_map_to_nothing() -> None:

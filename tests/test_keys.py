@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.connector.fingerprint import config_fingerprint
 from kvtier.keys import (
     KEY_BYTES,
     Namespace,
@@ -20,11 +21,13 @@ from kvtier.keys import (
     chunk_keys,
     pack_keys,
     prompt_keys,
+    salt_digest,
     unpack_keys,
 )
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "keys"
 VECTORS = json.loads((DOCS / "vectors.json").read_text())
+FINGERPRINTS = json.loads((DOCS / "fingerprint-vectors.json").read_text())
 NS = Namespace(
     model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=4
 )
@@ -113,6 +116,9 @@ def test_every_namespace_field_changes_the_keys() -> None:
         "chunk_tokens": 8,
         "cache_salt": "t",
         "lora": "a",
+        "model_config_fp": "c",
+        "weights_fp": "w",
+        "tag": "step-2",
     }
     assert set(changes) == set(base)  # a new field must be added here too
     roots = {Namespace(**{**base, k: v}).root_key() for k, v in changes.items()}
@@ -147,3 +153,31 @@ def test_bad_namespace_and_key_inputs() -> None:
         unpack_keys(b"x" * 17)
     keys = prompt_keys(NS, list(range(12)))
     assert unpack_keys(pack_keys(keys)) == keys
+
+
+def test_fingerprint_vectors() -> None:
+    """The spec's salt digests and model-config fingerprints (docs/keys/spec.md)."""
+    for case in FINGERPRINTS["salt_digest"]:
+        assert salt_digest(case["salt"]) == case["digest"]
+    for case in FINGERPRINTS["model_config"]:
+        assert config_fingerprint(case["config"]) == case["fingerprint"]
+
+
+def test_any_salt_works_and_salts_never_collide_with_their_digests() -> None:
+    salts = ["", "a", "a\nb", "a\r\nb", "\u00e9", "\ud800", "x" * 10_000]
+    digests = [salt_digest(salt) for salt in salts]
+    assert len(set(digests)) == len(salts)
+    for digest in digests[1:]:
+        assert len(digest) == 32
+        Namespace(
+            model="m", dtype="f", num_layers=1, num_kv_heads=1, head_size=1, cache_salt=digest
+        )
+
+
+def test_keyer_truncate_recomputes_changed_chunks() -> None:
+    keyer = PromptKeyer(NS.root_key(), NS.chunk_tokens)
+    keyer.extend(list(range(12)))
+    keyer.truncate(1)
+    assert keyer.extend([*range(4), 9, 9, 9, 9, 8, 8, 8, 8]) == prompt_keys(
+        NS, [*range(4), 9, 9, 9, 9, 8, 8, 8, 8]
+    )

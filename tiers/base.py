@@ -35,3 +35,13 @@ class ChunkLocation:
     size: int
     extents: tuple[Extent, ...]  # (byte offset, length) in the segment, in order
     checksum: int  # XXH3-64 of the chunk's bytes, 0 while being written
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRef:
+    """The pool segment one store incarnation (epoch) hands out extents of: a store restart
+    makes a new segment, and extents of one incarnation mean nothing in another's."""
+
+    name: str
+    size: int
+    epoch: int

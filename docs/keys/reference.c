@@ -14,7 +14,7 @@
 #include <string.h>
 #include <xxhash.h>
 
-static const char DOMAIN[] = "kvtier/ns/v1\n";
+static const char DOMAIN[] = "kvtier/ns/v2\n";
 
 static void print_key(const XXH128_canonical_t *key) {
     for (int i = 0; i < 16; i++) printf("%02x", key->digest[i]);

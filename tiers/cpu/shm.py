@@ -39,6 +39,7 @@ class SharedSegment:
     owner: bool
     _mmap: mmap.mmap
     array: np.ndarray
+    identity: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file mapped
 
     @classmethod
     def create(cls, name: str, size: int, prefault: bool = True) -> SharedSegment:
@@ -93,7 +94,8 @@ class SharedSegment:
             flags |= getattr(mmap, "MAP_POPULATE", 0)
         mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         array = np.frombuffer(mapped, dtype=np.uint8)
-        return cls(name=name, size=size, owner=owner, _mmap=mapped, array=array)
+        st = os.fstat(fd)
+        return cls(name, size, owner, mapped, array, (st.st_dev, st.st_ino))
 
     # -- data movement -------------------------------------------------------------------
 
@@ -142,6 +144,16 @@ class SharedSegment:
             raise ValueError(f"extent ({offset}, {length}) outside the {self.size}-byte pool")
 
     # -- lifetime --------------------------------------------------------------------------
+
+    def is_live(self) -> bool:
+        """Is this mapping still the segment its store serves? A store that stopped, crashed
+        or restarted has its segment unlinked (by itself, its watchdog, or the next store), so
+        a mapping whose file is gone or replaced holds an incarnation nobody leases from."""
+        try:
+            st = os.stat(_path(self.name))
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity
 
     def close(self) -> None:
         """Unmap. Views handed out earlier must not be used afterwards."""

@@ -11,17 +11,19 @@ bytes directly between the caller's buffers and the shared segment:
     tier.put(ns_id, keys, chunks)                # allocate -> copy -> commit (abort on error)
 
 Threading: a ``CpuTier`` may be shared by threads; each lease belongs to one thread.
-After a store restart the tier re-attaches to the new segment on the next call.
+After a store restart the tier re-attaches to the new incarnation on the next call; results
+say which incarnation their extents belong to.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import xxhash
@@ -30,13 +32,15 @@ from kvtier.errors import ErrorCode, KvtierError
 from kvtier.keys import Namespace
 from kvtier.store.api import StoreClient, StoreInfo
 from kvtier.store.leases import LeaseStatus
-from kvtier.store.types import AllocStatus
-from kvtier.tiers.base import ChunkLocation, LookupStatus
+from kvtier.store.types import AllocateResult, AllocStatus, LookupResult
+from kvtier.tiers.base import ChunkLocation, LookupStatus, SegmentRef
 from kvtier.tiers.cpu.shm import SharedSegment
+from kvtier.tiers.remote.types import FetchResult
 
 log = logging.getLogger(__name__)
 
 Buffer = np.ndarray | bytes | bytearray | memoryview
+T = TypeVar("T")
 
 
 def checksum_views(views: Sequence[np.ndarray]) -> int:
@@ -157,13 +161,13 @@ class WriteLease:
         idx = self.allocated
         sums = [self._checksums.get(i, 0) for i in idx]
         self._done = True
-        return self._tier.call("commit", self.lease_id, None, sums)
+        return self._tier.commit(self.lease_id, None, sums)
 
     def abort(self) -> None:
         if not self._done:
             self._done = True
             try:
-                self._tier.call("abort", self.lease_id)
+                self._tier.abort(self.lease_id)
             except KvtierError as exc:  # expired or store gone: nothing left to give back
                 log.debug("abort of lease %d: %s", self.lease_id, exc)
 
@@ -178,53 +182,167 @@ class WriteLease:
 
 
 class CpuTier:
-    def __init__(self, store: StoreClient, segment: SharedSegment | None = None) -> None:
+    """The node's DRAM tier: a store's control API plus its mapped pool segment.
+
+    Every method that returns pool extents says which store incarnation (epoch) they belong
+    to (``LookupResult.epoch``, ``AllocateResult.epoch``): after a store restart the tier
+    re-attaches to the new incarnation, and extents of the old one must never be applied to
+    the new segment. ``segment_ref(epoch)`` names the segment of that incarnation.
+
+    Namespaces are registered through ``namespace_id`` and remembered (at most
+    ``max_namespaces``, least recently used forgotten) so a restart re-registers them."""
+
+    def __init__(
+        self,
+        store: StoreClient,
+        segment: SharedSegment | None = None,
+        max_namespaces: int = 4096,
+    ) -> None:
         """``segment``: the store's own mapping when embedded; otherwise attached by name."""
         self.store = store
         self._lock = threading.Lock()
-        self._info = store.info()
+        self._segments: OrderedDict[int, SegmentRef] = OrderedDict()
+        self._info: StoreInfo | None = None
+        try:
+            self._attach(store.info())
+        except KvtierError as exc:  # a lazy client of a store not up yet: attach on first use
+            if exc.code is not ErrorCode.UNAVAILABLE:
+                raise
         self._owns_segment = segment is None
         self._segment = segment  # mapped on first use: control-only users never map the pool
-        self._namespaces: dict[bytes, tuple[Namespace, int]] = {}
+        self._namespaces: OrderedDict[bytes, tuple[Namespace, int]] = OrderedDict()
+        self._max_namespaces = max_namespaces
         self._ctl: ThreadPoolExecutor | None = None
 
     @property
     def info(self) -> StoreInfo:
-        return self._info
+        """The store incarnation attached to (attaching now if not yet: UNAVAILABLE while the
+        store cannot be reached)."""
+        info = self._info
+        return info if info is not None else self.reattach()
+
+    @property
+    def epoch(self) -> int:
+        """The incarnation this tier is attached to now (0: none yet)."""
+        info = self._info
+        return info.epoch if info is not None else 0
+
+    def _attach(self, info: StoreInfo) -> None:
+        self._info = info
+        self._remember_segment(info)
+
+    def segment_ref(self, epoch: int) -> SegmentRef | None:
+        """The pool segment of store incarnation ``epoch`` (None: not one seen lately)."""
+        with self._lock:
+            return self._segments.get(epoch)
+
+    def _remember_segment(self, info: StoreInfo) -> None:
+        self._segments[info.epoch] = SegmentRef(info.segment_name, info.segment_size, info.epoch)
+        while len(self._segments) > 8:
+            self._segments.popitem(last=False)
 
     @property
     def segment(self) -> SharedSegment:
         if self._segment is None:
+            info = self.info
             with self._lock:
                 if self._segment is None:
-                    self._segment = SharedSegment.attach(
-                        self._info.segment_name, self._info.segment_size
-                    )
+                    self._segment = SharedSegment.attach(info.segment_name, info.segment_size)
         return self._segment
+
+    # -- namespaces --------------------------------------------------------------------------
 
     def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
         """Declare a namespace (again after every store restart, which this tier handles)."""
-        ns_id = self.call("register_namespace", namespace, chunk_bytes)
-        self._namespaces[ns_id] = (namespace, chunk_bytes)
+        ns_id = self._retrying(lambda: self.store.register_namespace(namespace, chunk_bytes))
+        with self._lock:
+            self._namespaces[ns_id] = (namespace, chunk_bytes)
+            self._namespaces.move_to_end(ns_id)
+            while len(self._namespaces) > self._max_namespaces:
+                self._namespaces.popitem(last=False)
         return ns_id
+
+    def namespace_id(self, namespace: Namespace, chunk_bytes: int) -> bytes:
+        """``register_namespace``, without a call when this tier registered it already."""
+        ns_id = namespace.root_key()
+        with self._lock:
+            known = self._namespaces.get(ns_id)
+            if known is not None and known[1] == chunk_bytes:
+                self._namespaces.move_to_end(ns_id)
+                return ns_id
+        return self.register_namespace(namespace, chunk_bytes)
+
+    def forget_namespace(self, ns_id: bytes) -> None:
+        """The store does not know ``ns_id`` (UNKNOWN_NAMESPACE): register it again next time."""
+        with self._lock:
+            self._namespaces.pop(ns_id, None)
+
+    # -- the control API, typed (each returns what the store answered) ----------------------
+
+    def lookup(
+        self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None = None
+    ) -> LookupResult:
+        """Longest committed prefix of ``keys``, leased when ``lease_ttl_s`` is given. The
+        extents belong to ``result.epoch``."""
+        return self._retrying(lambda: self.store.lookup(ns_id, keys, lease_ttl_s))
+
+    def allocate_chunks(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        ttl_s: float | None = None,
+    ) -> AllocateResult:
+        """Reserve pool pages for ``keys`` under a write lease (``WriteLease`` wraps this for
+        byte-level callers). The extents belong to ``result.epoch``."""
+        return self._retrying(lambda: self.store.allocate(ns_id, keys, sizes, ttl_s))
+
+    def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
+        # Never retried after a restart: leases do not survive one.
+        return self.store.commit(lease_id, keys, checksums)
+
+    def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int:
+        return self.store.abort(lease_id, keys)
+
+    def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
+        return self.store.release(lease_ids)
+
+    def renew(self, lease_id: int, ttl_s: float | None = None) -> float:
+        return self.store.renew(lease_id, ttl_s)
+
+    def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
+        return self._retrying(lambda: self.store.delete(ns_id, keys))
+
+    def clear(self) -> int:
+        return self._retrying(self.store.clear)
+
+    def fetch(
+        self, ns_id: bytes, keys: Sequence[bytes], holder: str, timeout_s: float | None = None
+    ) -> FetchResult:
+        return self._retrying(lambda: self.store.fetch(ns_id, keys, holder, timeout_s))
+
+    def stats(self) -> dict[str, int | float | str]:
+        return self.store.stats()
+
+    # -- byte-level helpers ------------------------------------------------------------------
 
     def read(
         self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None = None
     ) -> ReadLease:
         ttl = lease_ttl_s if lease_ttl_s is not None else 30.0
-        segment = self.segment
-        result = self.call("lookup", ns_id, keys, ttl)
+        result = self.lookup(ns_id, keys, ttl)
+        segment = self._segment_of(result.epoch)
         return ReadLease(self, segment, result.hits, result.stop, result.lease_id)
 
     def prefix_length(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
         """How many leading chunks are committed (no lease taken)."""
-        return len(self.call("lookup", ns_id, keys, None).hits)
+        return len(self.lookup(ns_id, keys, None).hits)
 
     def allocate(
         self, ns_id: bytes, keys: Sequence[bytes], chunk_bytes: int, ttl_s: float | None = None
     ) -> WriteLease:
-        segment = self.segment
-        result = self.call("allocate", ns_id, keys, [chunk_bytes] * len(keys), ttl_s)
+        result = self.allocate_chunks(ns_id, keys, [chunk_bytes] * len(keys), ttl_s)
+        segment = self._segment_of(result.epoch)
         return WriteLease(self, segment, keys, result.statuses, result.locations, result.lease_id)
 
     def put(self, ns_id: bytes, keys: Sequence[bytes], chunks: Sequence[Buffer]) -> PutResult:
@@ -335,39 +453,54 @@ class CpuTier:
             raise KvtierError(ErrorCode.LEASE_EXPIRED, "read lease expired during the copy")
         return out
 
+    def _segment_of(self, epoch: int) -> SharedSegment:
+        """The mapped pool of incarnation ``epoch``; STALE_EPOCH if that is not the current one
+        (the store restarted between the call and now: its extents are void)."""
+        segment = self.segment
+        if epoch and epoch != self.epoch:
+            raise KvtierError(ErrorCode.STALE_EPOCH, "store restarted during the call")
+        return segment
+
     def _release(self, lease_id: int) -> bool:
         try:
-            status = self.call("release", [lease_id])[0]
+            status = self.release([lease_id])[0]
         except KvtierError as exc:
             log.warning("releasing read lease %d failed: %s", lease_id, exc)
             return False
         return status is LeaseStatus.OK
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Call a ``StoreClient`` method; after a store restart (STALE_EPOCH) re-attach once and
-        retry (leases do not survive a restart, so commit/abort/release are not retried)."""
+    def _retrying(self, call: Callable[[], T]) -> T:
+        """Run a call that carries no lease; after a store restart (STALE_EPOCH) re-attach
+        once and run it again. Calls on leases (commit, abort, release, renew) never retry:
+        leases do not survive a restart."""
+        if self._info is None:
+            self.reattach()  # never attached (the store was down at start): now or UNAVAILABLE
         try:
-            return getattr(self.store, method)(*args)
+            return call()
         except KvtierError as exc:
-            if exc.code is not ErrorCode.STALE_EPOCH or method in ("commit", "abort", "release"):
-                raise  # leases do not survive a restart
-            self._reattach()
-            return getattr(self.store, method)(*args)
+            if exc.code is not ErrorCode.STALE_EPOCH:
+                raise
+            self.reattach()
+            return call()
 
-    def _reattach(self) -> None:
+    def reattach(self) -> StoreInfo:
+        """Adopt the store's current incarnation and re-register the namespaces it lost."""
         with self._lock:
-            reattach = getattr(self.store, "reattach", None)
-            if reattach is None:
-                raise KvtierError(ErrorCode.STALE_EPOCH, "store restarted")
-            info = reattach()
-            if info.epoch != self._info.epoch:
-                old, self._segment = self._segment, None  # the new one maps on first use
-                self._info = info
-                for namespace, chunk_bytes in self._namespaces.values():
-                    self.store.register_namespace(namespace, chunk_bytes)
-                if self._owns_segment and old is not None:
-                    old.close()
-                log.info("re-attached to store %s epoch %016x", info.node_id, info.epoch)
+            info = self.store.reattach()
+            if self._info is not None and info.epoch == self._info.epoch:
+                return info
+            old, self._segment = self._segment, None  # the new one maps on first use
+            self._attach(info)
+            namespaces = list(self._namespaces.values())
+            if self._owns_segment and old is not None:
+                old.close()
+        for namespace, chunk_bytes in namespaces:
+            try:
+                self.store.register_namespace(namespace, chunk_bytes)
+            except KvtierError as exc:
+                log.warning("re-registering a namespace after a restart failed: %s", exc)
+        log.info("re-attached to store %s epoch %016x", info.node_id, info.epoch)
+        return info
 
     def close(self) -> None:
         """Unmap the pool and close the store client (which stops an embedded store)."""

@@ -1,0 +1,159 @@
+"""Faults the vLLM driver injects into a running engine, for the fault drills.
+
+A fault phase arms a hook on the scheduler-side connector's ``update_state_after_alloc``: it
+fires when vLLM has just allocated blocks for an external load (after the lookup, before the
+workers copy). ``"every": true`` fires it for every load, otherwise once; a ``disarm`` phase
+turns every fault off. Kinds:
+
+    stall            {"seconds": s}      the scheduler thread stalls (a lease may lapse)
+    kill_store       {"pid", "segment"}  SIGKILL the store, unlink its pool
+    restart_store    {"pid", "argv", "ready_file", "when": "before" | "after"}
+                                         SIGKILL the store and start another on the same
+                                         address; the connector re-attaches to it at once (as
+                                         a concurrent lookup would), before or after vLLM's
+                                         allocation is turned into a load job
+    hang_store       {"pid"}             SIGSTOP the store (the test sends SIGCONT)
+    unlink_segment   {"segment"}         remove the pool's /dev/shm file (store alive)
+    corrupt_pool     {"segment"}         overwrite every byte of the pool
+    corrupt_chunk    {"segment", "chunk"} overwrite the bytes of the request's chunk #chunk
+                                         (of the run being loaded, rank 0)
+    copy_error       {}                  the worker's next page copy raises
+
+These touch the connector's internals on purpose (a fault nothing else can produce on
+demand); everything else in a drill is the real engine, store and sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+
+def scheduler_connector(llm: Any) -> Any:
+    core = llm.llm_engine.engine_core
+    engine = getattr(core, "engine_core", core)
+    return engine.scheduler.connector
+
+
+def arm(llm: Any, phase: dict) -> None:
+    connector = scheduler_connector(llm)
+    original = connector.update_state_after_alloc
+    if not hasattr(connector, "_unfaulted"):
+        connector._unfaulted = original
+    state = {"fired": False}
+    after = phase["kind"] == "restart_store" and phase.get("when") == "after"
+
+    def faulty(request: Any, blocks: Any, num_external_tokens: int) -> None:
+        fire = num_external_tokens and (phase.get("every") or not state["fired"])
+        if fire:
+            state["fired"] = True
+            if not after:
+                _fire(connector, request, phase)
+        original(request, blocks, num_external_tokens)
+        if fire and after:
+            _fire(connector, request, phase)
+
+    connector.update_state_after_alloc = faulty
+
+
+def disarm(llm: Any) -> None:
+    """Every armed fault off: the connector's own hook again."""
+    connector = scheduler_connector(llm)
+    original = getattr(connector, "_unfaulted", None)
+    if original is not None:
+        connector.update_state_after_alloc = original
+        del connector._unfaulted
+
+
+def _fire(connector: Any, request: Any, phase: dict) -> None:
+    kind = phase["kind"]
+    if kind == "stall":
+        time.sleep(phase["seconds"])
+    elif kind == "kill_store":
+        os.kill(phase["pid"], signal.SIGKILL)
+        Path("/dev/shm", phase["segment"]).unlink(missing_ok=True)
+    elif kind == "restart_store":
+        _restart_store(connector, phase)
+    elif kind == "hang_store":
+        os.kill(phase["pid"], signal.SIGSTOP)
+    elif kind == "unlink_segment":
+        Path("/dev/shm", phase["segment"]).unlink(missing_ok=True)
+    elif kind == "corrupt_pool":
+        _overwrite(phase["segment"], None)
+    elif kind == "corrupt_chunk":
+        outcome = connector.scheduler._requests[request.request_id].outcome
+        hits = outcome.hits[0]
+        chunk = min(phase.get("chunk", 0), len(hits) - 1)
+        _overwrite(phase["segment"], hits[chunk].extents)
+    elif kind == "copy_error":
+        _break_next_copy()
+    else:
+        raise ValueError(f"unknown fault {kind!r}")
+
+
+def _restart_store(connector: Any, phase: dict) -> None:
+    old_pid = phase.get("pid")
+    ready_file = Path(phase["ready_file"])
+    if ready_file.exists():  # restarted before: the store to kill is the last one started
+        old_pid = json.loads(ready_file.read_text())["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    proc = None
+    while time.monotonic() < deadline:
+        proc = subprocess.Popen(  # not the driver's stderr: its reader waits for EOF
+            phase["argv"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if line:
+            ready = json.loads(line)
+            ready["pid"] = proc.pid
+            ready_file.write_text(json.dumps(ready))
+            break
+        proc.wait()  # the port or lock is not free yet (the old one is dying): again
+        time.sleep(0.1)
+    else:
+        raise RuntimeError("the restarted store never became ready")
+    tier = connector.scheduler.tier
+    reattach = getattr(tier, "reattach", None) or tier._reattach
+    reattach()
+
+
+def _overwrite(segment_name: str, extents: Any) -> None:
+    import numpy as np
+
+    from kvtier.tiers.cpu.shm import SharedSegment
+
+    size = Path("/dev/shm", segment_name).stat().st_size
+    segment = SharedSegment.attach(segment_name, size)
+    try:
+        if extents is None:
+            segment.array[:] = np.uint8(0x5A)
+        else:
+            for offset, length in extents:
+                segment.array[offset : offset + length] = np.uint8(0x5A)
+    finally:
+        segment.close()
+
+
+def _break_next_copy() -> None:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().worker
+    kv = worker.kv
+    original = kv.load_layer
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        kv.load_layer = original  # once
+        raise RuntimeError("injected copy failure")
+
+    kv.load_layer = broken

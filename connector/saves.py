@@ -1,0 +1,303 @@
+"""Saving chunks a step completes: pool space asked for off the scheduler thread, copies done by
+the workers, commits only for bytes computed over valid KV.
+
+Per step, ``plan`` asks the store for pool pages for every chunk the step completes (on the
+``kvtier-alloc`` thread, one call per request and rank) and waits at most ``save_wait_ms`` for
+the answers, so a slow or hung store never stalls vLLM's scheduler. An allocation that is late
+is sent in a later step instead (the chunk's blocks do not change while the request lives;
+when it finishes first, ``finish`` tells vLLM to hold its blocks until the copy, and the
+workers report the request as finished sending once done); one later than ``save_defer_s`` is
+given up (a future miss, never a wrong byte).
+
+A save commits when every rank reported its copy, unless ``taint`` saw a failed load of any
+block the chunks were computed over (the chunk's own blocks or any before them): vLLM
+computed that step over KV that was never loaded, so those bytes are garbage under correct
+keys and are aborted instead. The same holds for another request sharing the failed blocks.
+
+Threading: every method runs on vLLM's scheduler thread; allocation futures complete on the
+``kvtier-alloc`` thread; commits and aborts go to the ``kvtier-ops`` executor (FIFO).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.counters import SAVE_STATUS, C, Counter
+from kvtier.connector.layout import KvGeometry
+from kvtier.connector.metadata import ChunkCopy, SaveJob
+from kvtier.connector.requests import RequestState
+from kvtier.errors import KvtierError
+from kvtier.store.types import AllocateResult, AllocStatus
+from kvtier.tiers.base import SegmentRef
+from kvtier.tiers.cpu.tier import CpuTier
+
+log = logging.getLogger(__name__)
+
+Count = Callable[[Counter, float], None]
+
+
+@dataclass
+class Allocation:
+    """Pool space asked for chunks [start, end) of one request, not yet sent to the workers."""
+
+    state: RequestState
+    start: int
+    end: int
+    block_ids: tuple[int, ...]  # the chunks' blocks, blocks_per_chunk each
+    prefix_blocks: frozenset[int]  # every block the chunks' KV was computed over
+    future: Future[dict[int, AllocateResult]]
+    deadline: float
+    dropped: bool = False
+
+
+@dataclass
+class PendingSave:
+    """A save sent to the workers, waiting for every rank's report."""
+
+    job: SaveJob
+    state: RequestState
+    start: int
+    prefix_blocks: frozenset[int]
+    leases: dict[int, int]  # per rank: write lease
+    counts: dict[int, int]  # per rank: chunks to commit
+    done_ranks: set[int] = field(default_factory=set)
+
+
+class SavePlanner:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        geometry: KvGeometry,
+        tier: CpuTier,
+        alloc: Executor,
+        ops: Executor,
+        count: Count,
+        namespaces_of: Callable[[RequestState], dict[int, bytes]],
+    ) -> None:
+        self.config = config
+        self._namespaces_of = namespaces_of
+        self.geometry = geometry
+        self.tier = tier
+        self._alloc = alloc
+        self._ops = ops
+        self._count = count
+        self._waiting: list[Allocation] = []  # FIFO
+        self._pending: dict[int, PendingSave] = {}
+        self._held: set[str] = set()  # finished requests whose blocks vLLM holds for us
+        self._job_ids = 1
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def plan(
+        self,
+        scheduled: list[tuple[RequestState, int, int]],
+        block_ids_of: Callable[[str], list[int]],
+        preempted: set[str],
+    ) -> tuple[list[SaveJob], list[str]]:
+        """Saves to send with this step, and the held requests the workers may now release.
+        ``scheduled``: (state, computed tokens before the step, tokens this step)."""
+        for alloc in self._waiting:
+            if alloc.state.request.request_id in preempted:
+                self._drop(alloc, C.SAVE_PREEMPTED)  # vLLM freed its blocks already
+        started = [self._request(*item, block_ids_of) for item in scheduled]
+        fresh = [a.future for a in started if a is not None]
+        if fresh:
+            wait_futures(fresh, timeout=self.config.save_wait_ms / 1e3)
+        jobs = []
+        now = time.monotonic()
+        still: list[Allocation] = []
+        for alloc in self._waiting:
+            if alloc.dropped:
+                continue
+            if not alloc.future.done():
+                if now > alloc.deadline:
+                    self._drop(alloc, C.SAVE_ALLOC_TIMEOUTS)
+                else:
+                    still.append(alloc)
+                    self._count(C.SAVE_DEFERRED, 1)
+                continue
+            job = self._dispatch(alloc)
+            if job is not None:
+                jobs.append(job)
+        self._waiting = still
+        waiting_for = {a.state.request.request_id for a in still}
+        released = [req_id for req_id in self._held if req_id not in waiting_for]
+        self._held.difference_update(released)
+        return jobs, released
+
+    def _request(
+        self,
+        state: RequestState,
+        computed: int,
+        count: int,
+        block_ids_of: Callable[[str], list[int]],
+    ) -> Allocation | None:
+        geo = self.geometry
+        request = state.request
+        if not state.cacheable:
+            return None
+        limit = request.num_prompt_tokens if self.config.save == "prompt" else request.num_tokens
+        end = min(computed + count, limit) // geo.chunk_tokens
+        start = max(state.save_from_chunk, state.saved_upto)
+        if end <= start:
+            return None
+        state.saved_upto = end
+        blocks = block_ids_of(request.request_id)
+        bpc = geo.blocks_per_chunk
+        future = self._alloc.submit(self._allocate, state, start, end)
+        alloc = Allocation(
+            state,
+            start,
+            end,
+            tuple(blocks[start * bpc : end * bpc]),
+            frozenset(blocks[: end * bpc]),
+            future,
+            time.monotonic() + self.config.save_defer_s,
+        )
+        self._waiting.append(alloc)
+        return alloc
+
+    def _allocate(self, state: RequestState, start: int, end: int) -> dict[int, AllocateResult]:
+        """On the alloc thread: the request's namespaces (registered if need be), the chunks'
+        keys, and pool space for every rank, or none (aborting what was got)."""
+        out: dict[int, AllocateResult] = {}
+        geo = self.geometry
+        ns_ids = self._namespaces_of(state)
+        try:
+            for rank, ns_id in ns_ids.items():
+                keys = state.keys(rank, end, geo.chunk_tokens)[start:end]
+                out[rank] = self.tier.allocate_chunks(ns_id, keys, [geo.chunk_bytes] * len(keys))
+        except BaseException:
+            for result in out.values():
+                if result.lease_id:
+                    self._quiet_abort(result.lease_id)
+            raise
+        return out
+
+    def _dispatch(self, alloc: Allocation) -> SaveJob | None:
+        try:
+            results = alloc.future.result()
+        except Exception as exc:
+            log.warning("kvtier: no pool space for %s: %s", alloc.state.request.request_id, exc)
+            self._count(C.SAVE_ERRORS, 1)
+            return None
+        geo = self.geometry
+        bpc = geo.blocks_per_chunk
+        chunks: dict[int, list[ChunkCopy]] = {}
+        segments: dict[int, SegmentRef] = {}
+        leases: dict[int, int] = {}
+        counts: dict[int, int] = {}
+        for rank, result in results.items():
+            segment = self.tier.segment_ref(result.epoch)
+            copies = []
+            for i, (status, loc) in enumerate(zip(result.statuses, result.locations, strict=True)):
+                self._count(SAVE_STATUS[status], 1)
+                if status is not AllocStatus.ALLOCATED or loc is None or segment is None:
+                    continue
+                ids = alloc.block_ids[i * bpc : (i + 1) * bpc]
+                copies.append(ChunkCopy(loc.extents, 0, 0, ids, loc.key))
+            if result.lease_id and (segment is None or not copies):
+                self._quiet_abort(result.lease_id)
+                continue
+            if copies and segment is not None:
+                chunks[rank], segments[rank] = copies, segment
+                leases[rank], counts[rank] = result.lease_id, len(copies)
+        if not chunks:
+            return None
+        job = SaveJob(self._job_ids, alloc.state.request.request_id, segments, chunks)
+        self._job_ids += 1
+        self._pending[job.job_id] = PendingSave(
+            job, alloc.state, alloc.start, alloc.prefix_blocks, leases, counts
+        )
+        return job
+
+    # -- worker reports ----------------------------------------------------------------------
+
+    def taint(self, failed_blocks: set[int]) -> None:
+        """Blocks whose load failed: no save computed over any of them may commit (those sent
+        and those still waiting for pool space alike)."""
+        if not failed_blocks:
+            return
+        for job_id, pending in list(self._pending.items()):
+            if not pending.prefix_blocks.isdisjoint(failed_blocks):
+                del self._pending[job_id]
+                self._abort_pending(pending, C.SAVES_DISCARDED)
+        for alloc in self._waiting:
+            if not alloc.dropped and not alloc.prefix_blocks.isdisjoint(failed_blocks):
+                self._drop(alloc, C.SAVES_DISCARDED)
+                alloc.state.saved_upto = min(alloc.state.saved_upto, alloc.start)
+
+    def on_reports(self, saved: dict[int, set[int]], failed: dict[int, set[int]]) -> None:
+        for job_id in failed:
+            pending = self._pending.pop(job_id, None)
+            if pending is not None:
+                self._abort_pending(pending, C.SAVE_ERRORS)
+        for job_id, ranks in saved.items():
+            pending = self._pending.get(job_id)
+            if pending is None:
+                continue
+            pending.done_ranks |= ranks
+            if pending.done_ranks >= set(pending.leases):
+                del self._pending[job_id]
+                for rank, lease_id in pending.leases.items():
+                    self._ops.submit(self._commit, lease_id, pending.counts[rank])
+
+    def _abort_pending(self, pending: PendingSave, why: Counter) -> None:
+        self._count(why, sum(pending.counts.values()))
+        # recompute may save these chunks again once the blocks hold valid KV
+        pending.state.saved_upto = min(pending.state.saved_upto, pending.start)
+        for lease_id in pending.leases.values():
+            self._ops.submit(self._quiet_abort, lease_id)
+
+    # -- request lifetime --------------------------------------------------------------------
+
+    def finish(self, req_id: str) -> bool:
+        """The request finished: True when vLLM must hold its blocks for a save still
+        waiting for pool space (the workers report it finished sending after the copy)."""
+        if any(a.state.request.request_id == req_id and not a.dropped for a in self._waiting):
+            self._held.add(req_id)
+            return True
+        return False
+
+    def drop_all(self) -> list[str]:
+        """Give up every waiting allocation (after an internal error); the held requests."""
+        for alloc in self._waiting:
+            if not alloc.dropped:
+                self._drop(alloc, C.SAVE_ERRORS)
+        self._waiting = []
+        held, self._held = list(self._held), set()
+        return held
+
+    def _drop(self, alloc: Allocation, why: Counter) -> None:
+        alloc.dropped = True
+        self._count(why, alloc.end - alloc.start)
+        alloc.future.add_done_callback(self._abort_late)
+
+    def _abort_late(self, future: Future[dict[int, AllocateResult]]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        for result in future.result().values():
+            if result.lease_id:
+                self._ops.submit(self._quiet_abort, result.lease_id)
+
+    # -- store calls (ops thread) ------------------------------------------------------------
+
+    def _commit(self, lease_id: int, n: int) -> None:
+        try:
+            self.tier.commit(lease_id, None, [0] * n)
+            self._count(C.COMMITTED_CHUNKS, n)
+        except KvtierError as exc:
+            log.warning("kvtier: commit of %d chunks failed: %s", n, exc)
+            self._count(C.SAVE_ERRORS, 1)
+
+    def _quiet_abort(self, lease_id: int) -> None:
+        try:
+            self.tier.abort(lease_id)
+        except KvtierError as exc:
+            log.debug("kvtier: abort of lease %d: %s", lease_id, exc)
