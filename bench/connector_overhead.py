@@ -16,11 +16,7 @@ divided by the engine steps.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -28,37 +24,13 @@ import numpy as np
 from tqdm import tqdm
 
 from kvtier.bench.models import make_model, vllm_env
+from kvtier.bench.services import start_store
 from kvtier.bench.vllm_driver import kvtier_transfer_config, run_vllm
 from kvtier.config import StoreConfig
 from kvtier.keys import Namespace, prompt_keys
-from kvtier.store.service import connect
+from kvtier.tiers import connect
 
 FILLER_CHUNK = 4096
-
-
-def _start_store(run_dir: Path, capacity: str) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvtier",
-            "store",
-            "serve",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--capacity",
-            capacity,
-            "--run-dir",
-            str(run_dir),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "KVTIER_LOG_LEVEL": "warning"},
-    )
-    assert proc.stdout is not None
-    return proc, json.loads(proc.stdout.readline())
 
 
 def _fill(address: str, n: int) -> None:
@@ -91,11 +63,11 @@ def run(
     for n in tqdm(cached, desc="cached chunks", unit="config"):
         with tempfile.TemporaryDirectory(prefix="kvtier-overhead-") as tmp:
             capacity = f"{(n * FILLER_CHUNK >> 20) + 512}MiB"
-            proc, ready = _start_store(Path(tmp), capacity)
+            store = start_store(Path(tmp), capacity, "bench-overhead", remote=False)
             try:
-                _fill(ready["grpc"], n)
+                _fill(store.address, n)
                 extra = {
-                    "store_address": ready["grpc"],
+                    "store_address": store.address,
                     "chunk_tokens": 64,
                     "min_hit_tokens": {"cpu": 64},
                 }
@@ -115,8 +87,7 @@ def run(
                 }
                 results = run_vllm(spec, vllm_env(KVTIER_STORE__RUN_DIR=tmp))
             finally:
-                proc.terminate()
-                proc.wait(30)
+                store.stop()
         store_pass, hit_pass = results[2], results[5]
         rows.append(
             {
@@ -131,8 +102,9 @@ def run(
 
 
 def print_report(rows: list[dict]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvtier.logs import console
 
     table = Table(title="scheduler-side connector time per engine step vs chunks in the store")
     for col in (
@@ -151,4 +123,4 @@ def print_report(rows: list[dict]) -> None:
             str(row["steps"]),
             f"{row['hits']:,.0f}",
         )
-    Console().print(table)
+    console().print(table)

@@ -35,13 +35,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from kvtier.chunks import Tier
 from kvtier.index.api import ChunkIndex, ChunkOp, LocationKind, Query, Registration
 from kvtier.index.memory import MemoryIndex
 from kvtier.index.vllm_blocks import BlockMapper
 from kvtier.index.vllm_wire import BlockStored, EventBatchDecoder, encode_batch
 from kvtier.keys import Namespace, chunk_keys
-from kvtier.store.events import EventKind
-from kvtier.tiers.base import Tier
+from kvtier.store.api.events import EventKind
 
 NS = Namespace(
     model="bench", dtype="bfloat16", num_layers=32, num_kv_heads=8, head_size=128, chunk_tokens=256
@@ -120,7 +120,7 @@ def measure_queries(
     miss = chunk_keys(ns_id, tokens[::-1].copy(), NS.chunk_tokens)
     by_keys, by_tokens, missing = (
         Query(ns_id, keys=keys),
-        Query(ns_id, tokens=tokens),
+        Query(ns_id, tokens=[int(t) for t in tokens]),
         Query(ns_id, keys=miss),
     )
     result = index.query_one(by_keys)
@@ -208,13 +208,13 @@ def run_queries(
             with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as tmp:
                 proc, url = (None, redis_url) if redis_url else _start_redis(Path(tmp))
                 try:
-                    index = RedisIndex(url, prefix="kvtier:index:", timeout_s=10)
-                    index.flush()
-                    keys = load_index(index, entries, instances, tokens)
-                    rows |= measure_queries(index, keys, tokens, max(n // 4, 100))
+                    redis_index = RedisIndex(url, prefix="kvtier:index:", timeout_s=10)
+                    redis_index.flush()
+                    keys = load_index(redis_index, entries, instances, tokens)
+                    rows |= measure_queries(redis_index, keys, tokens, max(n // 4, 100))
                     rows |= redis_floor(url, keys, max(n // 4, 100))
-                    index.flush()
-                    index.close()
+                    redis_index.flush()
+                    redis_index.close()
                 finally:
                     if proc is not None:
                         proc.terminate()
@@ -231,7 +231,9 @@ def vllm_stream(prompts: int, seed: int = 0) -> tuple[list[bytes], int]:
     """BlockStored payloads as a vLLM engine would publish them; returns (payloads, blocks)."""
     bs, step_blocks, prompt_blocks = 16, 128, 512
     rng = random.Random(seed)
-    payloads, history, blocks = [], [], 0
+    payloads: list[bytes] = []
+    history: list[list[int | bytes]] = []
+    blocks = 0
     next_hash = iter(range(1, 1 << 62))
     for p in range(prompts):
         parent, shared = None, 0
@@ -239,11 +241,11 @@ def vllm_stream(prompts: int, seed: int = 0) -> tuple[list[bytes], int]:
             prev_hashes = rng.choice(history)
             shared = rng.randrange(1, len(prev_hashes))
             parent = prev_hashes[shared - 1]
-        hashes = []
+        hashes: list[int | bytes] = []
         todo = prompt_blocks - shared
         while todo:
             n = min(step_blocks, todo)
-            new = [next(next_hash) for _ in range(n)]
+            new: list[int | bytes] = [next(next_hash) for _ in range(n)]
             tokens = [rng.randrange(150_000) for _ in range(n * bs)]
             event = BlockStored(
                 block_hashes=new, parent_block_hash=parent, token_ids=tokens, block_size=bs,
@@ -323,10 +325,11 @@ def run(
 
 
 def print_report(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from kvtier.logs import console
+
+    out = console()
     for part in report["query"]:
         table = Table(
             title=f"{part['backend']} index: one query of a {report['tokens']:,}-token prompt "
@@ -340,7 +343,7 @@ def print_report(report: dict) -> None:
                 what, f"{row['p50_ms']:.3f}", f"{row['p99_ms']:.3f}", f"{row['mean_ms']:.3f}",
                 str(row["n"]),
             )  # fmt: skip
-        console.print(table)
+        out.print(table)
     ingest = report["ingest"]
     table = Table(
         title=f"vLLM BlockStored ingest, one thread: {ingest['blocks']:,} blocks in "
@@ -351,5 +354,5 @@ def print_report(report: dict) -> None:
     for what, row in ingest.items():
         if isinstance(row, dict):
             table.add_row(what, f"{row['blocks_per_s']:,.0f}", f"{row['blocks_per_cpu_s']:,.0f}")
-    console.print(table)
-    console.print(f"machine: {report['cpus']} CPUs, load average {report['load_avg']:.2f} at start")
+    out.print(table)
+    out.print(f"machine: {report['cpus']} CPUs, load average {report['load_avg']:.2f} at start")

@@ -10,8 +10,10 @@ list costs more than hashing it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -58,14 +60,15 @@ def run(tokens: int = 131072, chunk_tokens: int = 256, repeat: int = 20) -> dict
     ids_np = rng.integers(0, 150_000, size=tokens, dtype=np.uint32)
     ids_list = [int(t) for t in ids_np]
     n_chunks = tokens // chunk_tokens
-    rows = []
-    for container, ids in (("list", ids_list), ("numpy", ids_np)):
-        seconds = best_of(lambda ids=ids: prompt_keys(ns, ids), repeat)
+    rows: list[dict[str, Any]] = []
+    containers: tuple[tuple[str, Any], ...] = (("list", ids_list), ("numpy", ids_np))
+    for container, ids in containers:
+        seconds = best_of(functools.partial(prompt_keys, ns, ids), repeat)
         rows.append({"what": f"prompt_keys, tokens as {container}", "seconds": seconds})
     data = ids_np.astype("<u4").tobytes()
     root = ns.root_key()
     for name, digest in _digests().items():
-        seconds = best_of(lambda d=digest: _chain(d, root, data, chunk_tokens * 4), repeat)
+        seconds = best_of(functools.partial(_chain, digest, root, data, chunk_tokens * 4), repeat)
         rows.append({"what": f"chain only: {name}", "seconds": seconds})
     for row in rows:
         row["keys_per_s"] = n_chunks / row["seconds"]
@@ -74,8 +77,9 @@ def run(tokens: int = 131072, chunk_tokens: int = 256, repeat: int = 20) -> dict
 
 
 def print_report(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvtier.logs import console
 
     table = Table(
         title=f"chunk keys for a {report['tokens']:,}-token prompt "
@@ -90,4 +94,4 @@ def print_report(report: dict) -> None:
             f"{row['keys_per_s']:,.0f}",
             f"{row['tokens_per_s'] / 1e6:.1f}",
         )
-    Console().print(table)
+    console().print(table)

@@ -240,7 +240,7 @@ class RunSettings:
 
 def connector_extra(settings: RunSettings, dram_bytes: int) -> dict[str, Any]:
     return {
-        "embedded_capacity": str(dram_bytes),
+        "store": {"pool": {"capacity": str(dram_bytes)}},
         "chunk_tokens": settings.chunk_tokens,
         "min_hit_tokens": {"cpu": settings.chunk_tokens},
         # the answers resent next turn are stand-ins (knee_workload): saving the model's

@@ -66,8 +66,8 @@ def print_report(report: KneeReport) -> None:
             )
         table.add_section()
     console.print(table)
-    for line in knee_lines(report):
-        console.print(line)
+    for text in knee_lines(report):
+        console.print(text)
     for r in report.results:
         for warning in warnings(r):
             console.print(f"[yellow]{r.gpu_blocks} blocks, DRAM {r.dram_label}: {warning}")

@@ -21,6 +21,7 @@ cache can hit.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -124,7 +125,7 @@ class Workload:
                 index=i,
                 scheduled_s=0.0,
                 max_tokens=self.output_tokens,
-                make_tokens=lambda r=req: builder.request_tokens(r),
+                make_tokens=functools.partial(builder.request_tokens, req),
                 session=req.session_id or "",
                 turn=req.turn or 1,
                 cls=f"turn {req.turn}",

@@ -23,11 +23,10 @@ import numpy as np
 import torch
 
 from kvtier.bench.timing import best_of
-from kvtier.connector.kv_copy import PagedKV, PoolView
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import ChunkCopy
-from kvtier.tiers.cpu.shm import SharedSegment, page_aligned_empty
-from kvtier.tiers.cpu.tier import checksum_views
+from kvtier.connector.worker import PagedKV, PoolView
+from kvtier.store.client.shm import SharedSegment, checksum_views, page_aligned_empty
 
 BLOCK_SIZE = 32
 
@@ -115,8 +114,9 @@ def run(
 
 
 def print_report(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvtier.logs import console
 
     table = Table(
         title=f"pool <-> paged KV for {report['tokens']:,} tokens: {report['bytes'] >> 20} MiB "
@@ -131,4 +131,4 @@ def print_report(report: dict) -> None:
             f"{row['gb_per_s']:.2f}",
             f"{row['of_memcpy']:.0%}",
         )
-    Console().print(table)
+    console().print(table)

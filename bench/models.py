@@ -25,13 +25,20 @@ def _tokenizer(vocab_size: int):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
     )
+    # A chat template, so /v1/chat/completions works (and the router renders chats as vLLM
+    # does): each message framed by <s> ... </s>, a bare <s> to prompt the answer.
+    fast.chat_template = (
+        "{% for m in messages %}{{ '<s> ' + m['content'] + ' </s> ' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<s>' }}{% endif %}"
+    )
+    return fast
 
 
 PRESETS: dict[str, dict] = {
@@ -82,7 +89,7 @@ def make_tiny_llama(
     if (out / "config.json").exists():
         return out
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,

@@ -11,15 +11,14 @@ so the working set is larger than the CPU caches) are:
 - read back the same way (lookup + lease -> copy out -> release, ``get_stream_into``).
 Best of ``--repeat`` rounds, each with fresh keys. ``process`` mode talks to a real
 ``kvtier store serve`` process over gRPC (what vLLM workers do); ``embedded`` calls in-process.
+
+The control calls are timed over each transport the store serves in the same run: TCP on
+loopback and the node's Unix socket (how engines reach their store: no token, no network).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,11 +28,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from kvtier.bench.services import start_store
 from kvtier.config import StoreConfig
 from kvtier.keys import Namespace, prompt_keys
-from kvtier.store.service import connect
-from kvtier.tiers.cpu.shm import page_aligned_empty
-from kvtier.tiers.cpu.tier import CpuTier
+from kvtier.store.client.shm import page_aligned_empty
+from kvtier.tiers import connect
+from kvtier.tiers.cpu import CpuTier
 
 DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
@@ -58,6 +58,7 @@ class ThroughputRow:
 
 @dataclass
 class ControlRow:
+    transport: str
     op: str
     batch: int
     call_us: float
@@ -65,38 +66,21 @@ class ControlRow:
 
 
 @contextlib.contextmanager
-def open_tier(mode: str, capacity: int, run_dir: Path) -> Iterator[CpuTier]:
+def open_tier(mode: str, capacity: int, run_dir: Path) -> Iterator[tuple[CpuTier, dict[str, str]]]:
+    """The tier, and the store's control addresses by transport (none when embedded)."""
     if mode == "embedded":
         config = StoreConfig(run_dir=run_dir, pool={"capacity": capacity})
         with connect(config) as tier:
-            yield tier
+            yield tier, {}
         return
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvtier",
-        "store",
-        "serve",
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--capacity",
-        str(capacity),
-        "--run-dir",
-        str(run_dir),
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "KVTIER_LOG_LEVEL": "warning"}
-    )
+    socket = run_dir / "sock" / "store.sock"
+    extra = ("--unix-socket", str(socket))
+    store = start_store(run_dir, str(capacity), "bench-pool", remote=False, extra=extra)
     try:
-        assert proc.stdout is not None
-        ready = json.loads(proc.stdout.readline())
-        with connect(StoreConfig(address=ready["grpc"])) as tier:
-            yield tier
+        with connect(StoreConfig(address=store.address)) as tier:
+            yield tier, {"tcp": store.address, "unix": f"unix:{socket}"}
     finally:
-        proc.terminate()
-        proc.wait(30)
+        store.stop()
 
 
 def _namespace(chunk_bytes: int, tag: str) -> Namespace:
@@ -161,7 +145,9 @@ def measure_throughput(
     return ThroughputRow(size, n, batch, gbs["memcpy"], gbs["put"], gbs["get"])
 
 
-def measure_control(tier: CpuTier, batches: list[int], rounds: int = 50) -> list[ControlRow]:
+def measure_control(
+    tier: CpuTier, batches: list[int], transport: str, rounds: int = 50
+) -> list[ControlRow]:
     """Latency of the batch control calls alone (no bytes copied): what one request's
     hundreds of chunks cost in round trips."""
     size = 64 << 10
@@ -170,7 +156,7 @@ def measure_control(tier: CpuTier, batches: list[int], rounds: int = 50) -> list
     store = tier.store
     rows = []
     for batch in batches:
-        times = {"allocate+commit": [], "lookup+lease+release": []}
+        times: dict[str, list[float]] = {"allocate+commit": [], "lookup+lease+release": []}
         for r in range(rounds):
             keys = _keys(ns, batch, r + 100 * batch)
             start = time.perf_counter()
@@ -183,7 +169,7 @@ def measure_control(tier: CpuTier, batches: list[int], rounds: int = 50) -> list
             times["lookup+lease+release"].append(time.perf_counter() - start)
         for op, samples in times.items():
             median = float(np.median(samples))
-            rows.append(ControlRow(op, batch, median * 1e6, median * 1e6 / batch))
+            rows.append(ControlRow(transport, op, batch, median * 1e6, median * 1e6 / batch))
         store.clear()
     return rows
 
@@ -202,11 +188,17 @@ def run(
     control_batches = control_batches or [1, 8, 64, 512]
     with (
         tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp,
-        open_tier(mode, 2 * total + (64 << 20), Path(tmp)) as tier,
+        open_tier(mode, 2 * total + (64 << 20), Path(tmp)) as (tier, addresses),
     ):
         with tqdm(total=len(sizes) * repeat, desc="throughput", unit="round") as bar:
             rows = [measure_throughput(tier, s, total, batch_bytes, repeat, bar) for s in sizes]
-        control = measure_control(tier, control_batches)
+        control = [] if addresses else measure_control(tier, control_batches, "in-process")
+        for (
+            transport,
+            address,
+        ) in addresses.items():  # same store, same run: only the socket differs
+            with connect(StoreConfig(address=address)) as client:
+                control += measure_control(client, control_batches, transport)
     return {
         "mode": mode,
         "total_bytes": total,
@@ -219,10 +211,11 @@ def run(
 
 
 def print_report(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from kvtier.logs import console
+
+    out = console()
     table = Table(title=f"DRAM pool vs memcpy ({report['mode']} store, best of rounds)")
     for col in (
         "chunk",
@@ -244,15 +237,19 @@ def print_report(report: dict) -> None:
             f"{row['get_gbs']:.2f}",
             f"{row['get_ratio']:.0%}",
         )
-    console.print(table)
+    out.print(table)
     table = Table(title="control API: median latency per batch call (no data copied)")
-    for col in ("operation", "chunks/call", "µs/call", "µs/chunk"):
+    for col in ("transport", "operation", "chunks/call", "µs/call", "µs/chunk"):
         table.add_column(col, justify="right")
     for row in report["control"]:
         table.add_row(
-            row["op"], str(row["batch"]), f"{row['call_us']:.0f}", f"{row['per_chunk_us']:.2f}"
+            row["transport"],
+            row["op"],
+            str(row["batch"]),
+            f"{row['call_us']:.0f}",
+            f"{row['per_chunk_us']:.2f}",
         )
-    console.print(table)
+    out.print(table)
 
 
 def _size(n: int) -> str:

@@ -20,11 +20,8 @@ Rounds interleave the systems; each keeps its best round (the machine may be sha
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -34,13 +31,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from kvtier.bench.services import start_store
+from kvtier.config_store import RemoteConfig
 from kvtier.keys import Namespace, prompt_keys
-from kvtier.store.grpc_client import GrpcStoreClient
-from kvtier.tiers.cpu.shm import page_aligned_empty
-from kvtier.tiers.cpu.tier import CpuTier
-from kvtier.tiers.remote.config import RemoteConfig
-from kvtier.tiers.remote.mooncake import MooncakeTransport, apply_environment, engine_environment
-from kvtier.tiers.remote.transport import PeerPool, ReadOp, plan_ops
+from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.store.client.shm import page_aligned_empty
+from kvtier.store.remote.mooncake import MooncakeTransport, apply_environment, engine_environment
+from kvtier.store.remote.transport import PeerPool, ReadOp, plan_ops
+from kvtier.tiers.cpu import CpuTier
 
 DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
@@ -85,36 +83,11 @@ def _timed(fn: Callable[[int], None], iters: int, after: Callable[[int], None] |
 
 @contextlib.contextmanager
 def store_process(run_dir: Path, capacity: int, node_id: str) -> Iterator[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvtier",
-        "store",
-        "serve",
-        "--remote",
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--capacity",
-        str(capacity),
-        "--run-dir",
-        str(run_dir),
-        "--node-id",
-        node_id,
-    ]
-    env = {**os.environ, "KVTIER_LOG_LEVEL": "warning"}
-    with open(run_dir / f"{node_id}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    store = start_store(run_dir, str(capacity), node_id, remote=True)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"store {node_id} failed to start (see {run_dir}/{node_id}.log)")
-        yield json.loads(line)
+        yield store.ready
     finally:
-        proc.terminate()
-        proc.wait(30)
+        store.stop()
 
 
 class RawEngine:
@@ -374,11 +347,12 @@ def run(
 
 
 def print_report(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from kvtier.logs import console
+
     by = {(r["system"], r["mode"], r["chunk_bytes"]): r for r in report["rows"]}
-    console = Console()
+    out = console()
     modes = sorted({r["mode"] for r in report["rows"]}, key=lambda m: (m != "single", m))
     for mode in modes:
         table = Table(
@@ -400,7 +374,7 @@ def print_report(report: dict) -> None:
             cells.append(f"{fetch['gbs'] / raw['gbs']:.0%}" if fetch and raw else "-")
             cells.append(f"{fetch['gbs'] / store['gbs']:.0%}" if fetch and store else "-")
             table.add_row(_size(size), *cells)
-        console.print(table)
+        out.print(table)
 
 
 def _size(n: int) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvtier.bench.models import make_model, vllm_env
 from kvtier.bench.vllm_driver import kvtier_transfer_config, run_vllm
-from kvtier.tiers.cpu.shm import page_aligned_empty
+from kvtier.store.client.shm import page_aligned_empty
 
 WARMUP_TOKENS = 512
 
@@ -159,7 +159,7 @@ ConfigSetup = Callable[[str, Path], tuple[dict, dict, Callable[[], None]]]
 
 
 def _kvtier(model: str, run_dir: Path, **settings: Any) -> tuple[dict, dict, Callable[[], None]]:
-    extra = {"embedded_capacity": "4GiB", "min_hit_tokens": {"cpu": 256}, **settings}
+    extra = {"store": {"pool": {"capacity": "4GiB"}}, "min_hit_tokens": {"cpu": 256}, **settings}
     return (
         {"kv_transfer_config": kvtier_transfer_config(extra)},
         {"KVTIER_STORE__RUN_DIR": str(run_dir)},
@@ -196,7 +196,7 @@ def _run_remote(
     every prompt (stored in B's pool); then a vLLM on node A sends each one: a remote hit
     (pulled from B into A's pool over the transfer engine), then, after A's vLLM prefix cache
     is reset, a DRAM hit on A."""
-    from kvtier.bench.cluster import start_index, start_store, wait_indexed
+    from kvtier.bench.services import start_index, start_store, wait_indexed
 
     run_dir = tmp / "remote"
     capacity = "4GiB"
@@ -343,10 +343,11 @@ def summary_rows(report: Report) -> list[dict[str, Any]]:
 
 
 def print_report(report: Report) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from kvtier.logs import console
+
+    out = console()
     table = Table(
         title=f"TTFT by tier, p50 / p90 over {report.reps} prompts per length "
         f"({report.kv_bytes_per_token} B of KV per token; {report.suffix} new tokens after "
@@ -363,7 +364,7 @@ def print_report(report: Report) -> None:
             f"{row['p90_s']:.3f}",
             str(row["n"]),
         )
-    console.print(table)
+    out.print(table)
     table = Table(
         title="ratios of p50s (targets: DRAM <= 1.5x GPU, miss >= 5x DRAM, remote "
         "<= 2x DRAM, kvtier DRAM <= LMCache's) and the memcpy floor"
@@ -402,9 +403,9 @@ def print_report(report: Report) -> None:
             _ms(peer),
             _ratio(dram, peer),
         )
-    console.print(table)
+    out.print(table)
     for sample in report.rejected():
-        console.print(
+        out.print(
             f"[yellow]left out: {sample.config} {sample.tier} at {sample.length} "
             f"landed elsewhere: {sample.cached_by_source}"
         )

@@ -62,6 +62,9 @@ def run_vllm(spec: dict, env: Mapping[str, str], timeout: float = 900) -> list[A
         timeout=timeout,
         env=dict(env),
     )
+    for line in proc.stderr.splitlines():  # the harness's own trouble, for whoever reads on
+        if line.startswith("fault injection"):
+            print(line, file=sys.stderr)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX) and proc.returncode == 0:
             return json.loads(line[len(RESULT_PREFIX) :])
@@ -144,7 +147,7 @@ def _generate(llm: Any, phase: dict) -> list[dict]:
         detokenize=False,
         ignore_eos=True,
     )
-    results = []
+    results: list[dict[str, Any]] = []
     for prompt in phase["prompts"]:
         before = _cached_by_source(_metrics(llm))
         start = time.perf_counter()

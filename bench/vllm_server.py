@@ -38,8 +38,10 @@ class VllmServer:
         max_model_len: int = 2048,
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        """``port``: where to serve (default: a free one)."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = MODEL_NAME
         self.log_path = log_path

@@ -13,8 +13,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from kvtier.store.types import AllocStatus
-from kvtier.tiers.remote.types import FetchStatus
+from kvtier.store.api.remote import FetchStatus
+from kvtier.store.api.types import AllocStatus
+from kvtier.tiers.base import StageResult
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class C:
         "remote_fetch_peer_unreachable", "Pulls that found the holder unreachable"
     )
     REMOTE_FETCH_TIMEOUT = Counter("remote_fetch_timeout", "Pulls past their deadline")
+    REMOTE_FETCH_BUSY = Counter(
+        "remote_fetch_busy", "Pulls cut short: another writer was storing the next chunk here"
+    )
     REMOTE_FETCH_REFUSED = Counter(
         "remote_fetch_refused", "Pulls the holder refused (an error, or a location rejected)"
     )
@@ -135,6 +139,8 @@ class C:
 ALL: tuple[Counter, ...] = tuple(v for v in vars(C).values() if isinstance(v, Counter))
 BY_NAME: dict[str, Counter] = {c.name: c for c in ALL}
 
+HIT_TOKENS: dict[str, Counter] = {"cpu": C.CPU_HIT_TOKENS, "remote": C.REMOTE_HIT_TOKENS}
+
 SAVE_STATUS: dict[AllocStatus, Counter] = {
     AllocStatus.ALLOCATED: C.SAVE_ALLOCATED,
     AllocStatus.EXISTS: C.SAVE_EXISTS,
@@ -150,10 +156,41 @@ def fetch_status_counter(status: FetchStatus) -> Counter | None:
         FetchStatus.PEER_UNREACHABLE: C.REMOTE_FETCH_PEER_UNREACHABLE,
         FetchStatus.TIMEOUT: C.REMOTE_FETCH_TIMEOUT,
         FetchStatus.REFUSED: C.REMOTE_FETCH_REFUSED,
+        FetchStatus.BUSY: C.REMOTE_FETCH_BUSY,
         FetchStatus.NO_SPACE: C.REMOTE_FETCH_NO_SPACE,
         FetchStatus.TRANSFER_FAILED: C.REMOTE_FETCH_TRANSFER_FAILED,
         FetchStatus.CHECKSUM_MISMATCH: C.REMOTE_FETCH_CHECKSUM_MISMATCH,
     }.get(status)
+
+
+def stage_counters(tier: str, result: StageResult) -> list[tuple[Counter, float]]:
+    """What one staging attempt adds to the counters (the remote tier's; others have none
+    yet)."""
+    if tier != "remote":
+        return []
+    out: list[tuple[Counter, float]] = []
+    if result.chunks:
+        out.append((C.REMOTE_PULLED_CHUNKS, result.chunks))
+    if result.bytes:
+        out.append((C.REMOTE_FETCHED_BYTES, result.bytes))
+    if result.seconds:
+        out.append((C.REMOTE_FETCH_SECONDS, result.seconds))
+    if result.detail == "index":
+        out.append((C.REMOTE_INDEX_ERRORS, 1))
+    elif result.detail == "unknown holder":
+        out.append((C.REMOTE_UNKNOWN_HOLDERS, 1))
+    elif result.detail == "error":
+        out.append((C.REMOTE_FETCH_ERRORS, 1))
+    elif result.detail:
+        try:
+            short = fetch_status_counter(FetchStatus(result.detail))
+        except ValueError:
+            short = None
+        if short is not None:
+            out.append((short, 1))
+        if result.detail == FetchStatus.HOLDER_MISS.value:
+            out.append((C.REMOTE_INDEX_REPAIRS, 1))
+    return out
 
 
 class Tally:

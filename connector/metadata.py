@@ -9,13 +9,14 @@ worker process every step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.tiers.base import SegmentRef
+from kvtier.chunks import SegmentRef
 
 __all__ = [
     "ChunkCopy",
@@ -92,15 +93,11 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KvtierWorkerMetadata:
         assert isinstance(other, KvtierWorkerMetadata)
-        for mine, theirs in (
-            (self.saved, other.saved),
-            (self.save_failed, other.save_failed),
-            (self.loaded, other.loaded),
-            (self.load_failed, other.load_failed),
-            (self.corrupt, other.corrupt),
-        ):
-            for key, items in theirs.items():
-                mine.setdefault(key, set()).update(items)  # type: ignore[attr-defined]
+        _merge(self.saved, other.saved)
+        _merge(self.save_failed, other.save_failed)
+        _merge(self.loaded, other.loaded)
+        _merge(self.load_failed, other.load_failed)
+        _merge(self.corrupt, other.corrupt)
         self.error_blocks |= other.error_blocks
         return self
 
@@ -108,3 +105,8 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
         return not (
             self.saved or self.save_failed or self.loaded or self.load_failed or self.corrupt
         )
+
+
+def _merge(mine: dict[Any, set[Any]], theirs: dict[Any, set[Any]]) -> None:
+    for key, items in theirs.items():
+        mine.setdefault(key, set()).update(items)

@@ -27,15 +27,15 @@ from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
-from kvtier.connector.config import ConnectorConfig
+from kvtier.chunks import SegmentRef
+from kvtier.config_connector import ConnectorConfig
 from kvtier.connector.counters import SAVE_STATUS, C, Counter
 from kvtier.connector.layout import KvGeometry
+from kvtier.connector.lookup import RequestState
 from kvtier.connector.metadata import ChunkCopy, SaveJob
-from kvtier.connector.requests import RequestState
 from kvtier.errors import KvtierError
-from kvtier.store.types import AllocateResult, AllocStatus
-from kvtier.tiers.base import SegmentRef
-from kvtier.tiers.cpu.tier import CpuTier
+from kvtier.store.api.types import AllocateResult, AllocStatus
+from kvtier.tiers.base import PoolTier
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class SavePlanner:
         self,
         config: ConnectorConfig,
         geometry: KvGeometry,
-        tier: CpuTier,
+        tier: PoolTier,
         alloc: Executor,
         ops: Executor,
         count: Count,

@@ -26,9 +26,10 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from kvtier.connector.config import ConnectorConfig
-from kvtier.connector.counters import C, Counter, Tally
+from kvtier.config_connector import ConnectorConfig
+from kvtier.connector.counters import HIT_TOKENS, C, Counter, Tally
 from kvtier.connector.layout import KvGeometry, ModelIdentity
+from kvtier.connector.lookup import LookupOutcome, RequestState, TierResolver, take_leases
 from kvtier.connector.metadata import (
     ChunkCopy,
     KvtierMetadata,
@@ -36,12 +37,9 @@ from kvtier.connector.metadata import (
     LoadJob,
     SegmentRef,
 )
-from kvtier.connector.remote import RemoteResolver
-from kvtier.connector.requests import RequestState
-from kvtier.connector.resolve import LookupOutcome, TierResolver, take_leases
 from kvtier.connector.saves import SavePlanner
 from kvtier.errors import KvtierError
-from kvtier.tiers.cpu.tier import CpuTier
+from kvtier.tiers import Tiers
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -67,19 +65,18 @@ class ConnectorScheduler:
         config: ConnectorConfig,
         geometry: KvGeometry,
         identity: ModelIdentity,
-        tier: CpuTier,
-        embedded: bool,
-        remote: RemoteResolver | None = None,
+        tiers: Tiers,
     ) -> None:
         self.config = config
         self.geometry = geometry
         self.identity = identity
-        self.tier = tier
-        self.remote = remote  # None: no remote tier
+        self.tiers = tiers
+        self.pool = tiers.pool
         self.tally = Tally()
-        if remote is not None:
-            remote.bind_stats(self._count)
-        inline = embedded and remote is None
+        embedded = tiers.embedded
+        # An embedded store answers in microseconds: no threads. Staging tiers (a remote pull)
+        # take network round trips: lookups then always go to threads.
+        inline = embedded and not tiers.staging
         self._lookups: Executor = (
             InlineExecutor()
             if inline
@@ -93,11 +90,15 @@ class ConnectorScheduler:
             if embedded
             else ThreadPoolExecutor(1, thread_name_prefix="kvtier-alloc")
         )
-        self.resolver = TierResolver(
-            config, geometry, lambda: self.identity, tier, remote, self._count
-        )
+        self.resolver = TierResolver(config, geometry, lambda: self.identity, tiers, self._count)
         self.saves = SavePlanner(
-            config, geometry, tier, self._alloc, self._ops, self._count, self.resolver.namespaces
+            config,
+            geometry,
+            self.pool,
+            self._alloc,
+            self._ops,
+            self._count,
+            self.resolver.namespaces,
         )
         self._requests: dict[str, RequestState] = {}
         self._pending_loads: list[LoadJob] = []
@@ -221,8 +222,8 @@ class ConnectorScheduler:
         segments: dict[int, SegmentRef] = {}
         failed = ""
         for rank, epoch in outcome.epochs.items():
-            segment = self.tier.segment_ref(epoch)
-            if segment is None or epoch != self.tier.epoch:
+            segment = self.pool.segment_ref(epoch)
+            if segment is None or epoch != self.pool.epoch:
                 failed = "the store restarted between lookup and load"
             else:
                 segments[rank] = segment
@@ -241,8 +242,7 @@ class ConnectorScheduler:
         state.load_tokens = num_external_tokens
         state.save_from_chunk = (outcome.computed + num_external_tokens) // geo.chunk_tokens
         state.saved_upto = max(state.saved_upto, state.save_from_chunk)
-        cpu = min(outcome.cpu_tokens, num_external_tokens)
-        self.hit_sources[request.request_id] = {"cpu": cpu, "remote": num_external_tokens - cpu}
+        self.hit_sources[request.request_id] = _trim(outcome.sources, num_external_tokens)
 
     def _copies(
         self, outcome: LookupOutcome, block_ids: list[int], num_external_tokens: int
@@ -335,7 +335,7 @@ class ConnectorScheduler:
 
     def _renew(self, outcome: LookupOutcome, lease_id: int) -> None:
         try:
-            self.tier.renew(lease_id, self.config.lease_ttl_s)
+            self.pool.renew(lease_id, self.config.lease_ttl_s)
         except KvtierError as exc:  # expired or unknown: its chunks may be gone
             outcome.lease_lost = True
             log.info("kvtier: lease of a load in flight lost: %s", exc)
@@ -367,9 +367,10 @@ class ConnectorScheduler:
         for req_id in set(meta.loaded) | set(meta.load_failed):
             job_outcome = self._loading.pop(req_id, None)
             if req_id in meta.loaded and req_id not in meta.load_failed:
-                sources = self.hit_sources.get(req_id, {})
-                self._count(C.CPU_HIT_TOKENS, sources.get("cpu", 0))
-                self._count(C.REMOTE_HIT_TOKENS, sources.get("remote", 0))
+                for tier, tokens in self.hit_sources.get(req_id, {}).items():
+                    counter = HIT_TOKENS.get(tier)
+                    if counter is not None:
+                        self._count(counter, tokens)
             state = self._requests.get(req_id)
             if state is not None:
                 state.load_tokens = 0
@@ -393,7 +394,7 @@ class ConnectorScheduler:
 
     def _quiet_delete(self, ns_id: bytes, keys: list[bytes]) -> None:
         try:
-            self.tier.delete(ns_id, keys)
+            self.pool.delete(ns_id, keys)
         except KvtierError as exc:
             log.debug("kvtier: delete of %d corrupt chunks: %s", len(keys), exc)
 
@@ -446,3 +447,13 @@ class ConnectorScheduler:
         for outcome in self._release_after_load.values():
             self._release(outcome)
         self._ops.shutdown(wait=True)
+
+
+def _trim(sources: dict[str, int], tokens: int) -> dict[str, int]:
+    """The first ``tokens`` of a lookup's run, by the tier they came from (in order)."""
+    out: dict[str, int] = {}
+    for tier, n in sources.items():
+        take = min(n, tokens - sum(out.values()))
+        if take > 0:
+            out[tier] = take
+    return out

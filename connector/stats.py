@@ -70,6 +70,6 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         # derived rates (load_GBps) and internal seconds are log-only
         children = self._children[engine_idx]
         for key, value in transfer_stats_data.items():
-            child = children.get(key)
+            child: Any = children.get(key)
             if child is not None and value:
                 child.inc(value)

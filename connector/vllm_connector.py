@@ -22,7 +22,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.config import StoreConfig, load_config
 from kvtier.connector.config import parse_extra_config
 from kvtier.connector.counters import C
 from kvtier.connector.guard import HookGuard
@@ -32,7 +31,7 @@ from kvtier.connector.scheduler import ConnectorScheduler
 from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
 from kvtier.connector.worker import ConnectorWorker
 from kvtier.errors import KvtierError
-from kvtier.store.service import connect
+from kvtier.tiers import open_tiers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,7 +45,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.connector")
 
-_HIT_SOURCE = {"cpu": CacheHitSource.HOST, "remote": CacheHitSource.P2P}
+# where vLLM's own counters say a tier's tokens came from
+_HIT_SOURCE = {
+    "cpu": CacheHitSource.HOST,
+    "remote": CacheHitSource.P2P,
+    "disk": CacheHitSource.DISK,
+}
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -57,9 +61,11 @@ class KvtierConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         block_size = vllm_config.cache_config.block_size
-        self.config = parse_extra_config(
+        # the whole config model, kv_connector_extra_config applied as its flags
+        self.settings = parse_extra_config(
             self._kv_transfer_config.kv_connector_extra_config, block_size
         )
+        self.config = self.settings.connector
         geometry, identity = describe(
             vllm_config,
             kv_cache_config,
@@ -71,38 +77,15 @@ class KvtierConnector(KVConnectorBase_V1):
         self.scheduler: ConnectorScheduler | None = None
         self.worker: ConnectorWorker | None = None
         self.guard = HookGuard()
+        self._announcer: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            embedded = self.config.store_address is None
-            base = load_config().store.model_dump()
-            if embedded:
-                base["pool"] |= {
-                    "capacity": self.config.embedded_capacity,
-                    "eviction": self.config.embedded_eviction,
-                }
-            store_config = StoreConfig.model_validate(
-                {**base, "address": self.config.store_address}
-            )
-            tier = connect(
-                store_config,
-                timeout_s=self.config.store_timeout_s,
-                max_namespaces=self.config.max_namespaces,
-                lazy=True,  # an engine may start before its node store: misses until it is up
-            )
-            remote = None
-            if "remote" in self.config.tiers:
-                from kvtier.connector.remote import RemoteResolver
-                from kvtier.index.config import IndexConfig
-                from kvtier.index.service import connect as connect_index
-
-                index = connect_index(IndexConfig(address=self.config.index_address))
-                remote = RemoteResolver(index, tier, self.config.remote_fetch_timeout_s)
-            self._announcer = self._announce(vllm_config, geometry, identity, tier)
-            self.scheduler = ConnectorScheduler(
-                self.config, geometry, identity, tier, embedded, remote
-            )
+            # lazy: an engine may start before its node store (misses until it is up)
+            tiers = open_tiers(self.settings, lazy=True)
+            self._announcer = self._announce(vllm_config, geometry, identity, tiers.pool)
+            self.scheduler = ConnectorScheduler(self.config, geometry, identity, tiers)
             log.info(
                 "kvtier connector (scheduler): store %s, chunks of %d tokens = %d bytes",
-                self.config.store_address or "embedded",
+                self.settings.store.address or "embedded",
                 self.config.chunk_tokens,
                 geometry.chunk_bytes,
             )
@@ -117,21 +100,25 @@ class KvtierConnector(KVConnectorBase_V1):
         """With an index and vLLM's KV events on, tell the index to follow this instance (what
         it holds in GPU memory, for routers), instead of configuring every engine there."""
         events = vllm_config.kv_events_config
+        index_address = self.settings.index.address
         if (
-            not self.config.index_address
+            not index_address
             or events is None
             or not events.enable_kv_cache_events
             or events.publisher != "zmq"
         ):
             return None
-        from kvtier.index.announce import Announcer
         from kvtier.index.api import LocationKind, Registration
+        from kvtier.index.client.announce import Announcer
+        from kvtier.rpc import ClientAuth
 
         def reachable(endpoint: str) -> str:
             host = self.config.instance_host
             return endpoint.replace("*", host).replace("0.0.0.0", host)
 
         endpoints = {"events": reachable(events.endpoint), "topic": events.topic}
+        if self.config.instance_api:  # routers find the instance through the index
+            endpoints["api"] = self.config.instance_api
         if events.replay_endpoint:
             endpoints["replay"] = reachable(events.replay_endpoint)
         namespaces = tuple(identity.namespace(geometry, rank) for rank in range(identity.tp_size))
@@ -147,7 +134,8 @@ class KvtierConnector(KVConnectorBase_V1):
             node=node,
             endpoints=endpoints,
         )
-        return Announcer(self.config.index_address, registration, namespaces)
+        auth = ClientAuth.from_config(self.settings.auth)
+        return Announcer(index_address, registration, namespaces, auth=auth)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -242,8 +230,8 @@ class KvtierConnector(KVConnectorBase_V1):
         before the reset, and other instances keep theirs."""
         assert self.scheduler is not None
         try:
-            if self.config.store_address is None:
-                self.scheduler.tier.clear()
+            if self.scheduler.tiers.embedded:
+                self.scheduler.pool.clear()
                 return True
             if self.config.on_reset == "refuse":
                 log.warning("kvtier: not resetting a shared node store (on_reset: refuse)")
@@ -361,12 +349,10 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if getattr(self, "_announcer", None) is not None:
+        if self._announcer is not None:
             self._announcer.stop()
         if self.scheduler is not None:
             self.scheduler.shutdown()
-            if self.scheduler.remote is not None:
-                self.scheduler.remote.close()
-            self.scheduler.tier.close()
+            self.scheduler.tiers.close()
         if self.worker is not None:
             self.worker.shutdown()

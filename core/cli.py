@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import json
-import logging
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from kvtier import __version__
+from kvtier.auth_cli import auth_app
 from kvtier.bench.cli import bench_app
 from kvtier.bench.trace.cli import trace_app
-from kvtier.config import KvtierConfig, load_config
+from kvtier.config import load_config
 from kvtier.index.cli import index_app
+from kvtier.logs import console, setup_logging
+from kvtier.router.cli import router_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 store_app = typer.Typer(no_args_is_help=True, help="The per-node DRAM store.")
@@ -24,18 +23,12 @@ app.add_typer(store_app, name="store")
 app.add_typer(bench_app, name="bench")
 app.add_typer(trace_app, name="trace")
 app.add_typer(index_app, name="index")
+app.add_typer(auth_app, name="auth")
+app.add_typer(router_app, name="router")
 
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML config file (or KVTIER_CONFIG)")
 ]
-
-
-def _setup_logging(config: KvtierConfig) -> None:
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
 
 
 @app.command()
@@ -72,8 +65,12 @@ def store_serve(
     advertise: Annotated[
         str | None, typer.Option(help="host:port others reach this store's gRPC at")
     ] = None,
+    unix_socket: Annotated[
+        Path | None, typer.Option(help="also serve the node's engines on this Unix socket")
+    ] = None,
 ) -> None:
-    """Run the node store: owns the shared-memory pool, serves gRPC control and HTTP health."""
+    """Run the node store: owns the shared-memory pool, serves gRPC control and HTTP health.
+    Credentials come from the config file or KVTIER_AUTH__* (docs/security.md), never flags."""
     from kvtier.store.service import serve
 
     config = load_config(
@@ -94,26 +91,29 @@ def store_serve(
             if peers is not None
             else None,
             "store.remote.demotion.policy": demotion,
-            "store.index_address": index,
+            "index.address": index,
             "store.advertise_address": advertise,
+            "store.unix_socket": unix_socket,
         },
     )
-    _setup_logging(config)
+    setup_logging(config)
     serve(config)
 
 
 @store_app.command("stats")
 def store_stats(
     config_file: ConfigOpt = None,
-    address: Annotated[str | None, typer.Option(help="store gRPC host:port")] = None,
+    address: Annotated[str | None, typer.Option(help="store gRPC host:port or unix:/path")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Print a running store's statistics."""
-    from kvtier.store.grpc_client import GrpcStoreClient
+    from kvtier.rpc import ClientAuth
+    from kvtier.store.client.grpc import GrpcStoreClient
 
     config = load_config(config_file, **{"store.address": address})
     target = config.store.address or f"{config.store.grpc_host}:{config.store.grpc_port}"
-    client = GrpcStoreClient(target, timeout_s=5)
+    # the token comes from the config file or KVTIER_AUTH__TOKEN, never from a flag
+    client = GrpcStoreClient(target, timeout_s=5, auth=ClientAuth.from_config(config.auth))
     try:
         stats = client.stats()
     finally:
@@ -121,7 +121,6 @@ def store_stats(
     if as_json:
         typer.echo(json.dumps(stats, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"kvtier store {target}")
@@ -129,7 +128,7 @@ def store_stats(
     table.add_column("value", justify="right")
     for key, value in stats.items():
         table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
-    Console().print(table)
+    console().print(table)
 
 
 @store_app.command("demo")
@@ -138,7 +137,7 @@ def store_demo(
     chunks: Annotated[int, typer.Option(help="chunks to put and get")] = 64,
 ) -> None:
     """Put chunks into a store and read them back through shared memory."""
-    from kvtier.store.demo import run_demo
+    from kvtier.bench.demo import run_demo
 
     report = run_demo(address, chunks=chunks)
     for line in report.lines():
@@ -149,49 +148,20 @@ def store_demo(
 
 @app.command()
 def demo(
-    config_file: ConfigOpt = None,
+    instances_per_node: Annotated[int, typer.Option(help="vLLM instances on each node")] = 2,
+    prompt_tokens: Annotated[int, typer.Option(help="length of the demonstration prompt")] = 2048,
+    workdir: Annotated[Path | None, typer.Option(help="where models, logs, pools live")] = None,
     keep_running: Annotated[
-        bool, typer.Option(help="keep the store serving after the demonstration (Ctrl-C ends)")
+        bool, typer.Option(help="keep the cluster serving afterwards (Ctrl-C ends)")
     ] = True,
 ) -> None:
-    """Start a node store on embedded defaults and show a second process using its pool."""
-    config = load_config(config_file)
-    cmd = [sys.executable, "-m", "kvtier", "store", "serve", "--grpc-port", "0", "--http-port", "0"]
-    if config_file is not None:
-        cmd += ["--config", str(config_file)]
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout is not None
-        line = server.stdout.readline()
-        if not line:
-            raise typer.Exit(server.wait() or 1)
-        ready = json.loads(line)
-        typer.echo(
-            f"store {ready['node_id']} serving: gRPC {ready['grpc']}, HTTP "
-            f"http://{ready['http']}/metrics, pool /dev/shm/{ready['segment']} "
-            f"({ready['capacity_bytes'] >> 20} MiB, {config.store.pool.eviction})"
-        )
-        typer.echo("a second process puts chunks into the pool and reads them back:")
-        client = subprocess.run(
-            [sys.executable, "-m", "kvtier", "store", "demo", "--address", ready["grpc"]],
-            check=False,
-        )
-        if client.returncode:
-            raise typer.Exit(client.returncode)
-        if keep_running:
-            typer.echo(
-                f"store keeps serving; try: kvtier store stats --address {ready['grpc']}"
-                "   (Ctrl-C to stop)"
-            )
-            while server.poll() is None:
-                time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if server.poll() is None:
-            server.terminate()
-            server.wait(timeout=15)
-    typer.echo("store stopped; shared memory released")
+    """Start a small kvtier cluster here (index, two node stores, vLLM CPU instances, the
+    router) and show one prompt as a miss, a GPU hit, a node-DRAM hit and a remote hit."""
+    from kvtier.bench.cluster_demo import run
+
+    steps = run(workdir, instances_per_node, prompt_tokens, keep_running, typer.echo)
+    if steps and not all(s.ok for s in steps):
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -14,12 +14,11 @@ Defaults work on one machine with nothing else running.
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -27,69 +26,26 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kvtier.connector.config import ConnectorConfig
-from kvtier.index.config import IndexConfig
-from kvtier.tiers.remote.config import RemoteConfig
+from kvtier.config_auth import AuthConfig
+from kvtier.config_connector import ConnectorConfig
+from kvtier.config_index import IndexConfig, StoreSource, VllmSource
+from kvtier.config_router import BackendConfig, RouterConfig
+from kvtier.config_store import PoolConfig, RemoteConfig, StoreConfig
 
-EvictionPolicyName = Literal["lru", "s3fifo"]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class PoolConfig(_Section):
-    """The node's shared-memory DRAM pool."""
-
-    capacity: ByteSize = Field(ByteSize(1 << 30), description="bytes of KV the pool holds")
-    page_size: ByteSize = Field(
-        ByteSize(64 << 10),
-        description="allocation unit; a chunk takes whole pages, not necessarily contiguous",
-    )
-    eviction: EvictionPolicyName = "s3fifo"
-    prefault: bool = Field(True, description="touch every page at start so no put page-faults")
-
-    @model_validator(mode="after")
-    def _check(self) -> PoolConfig:
-        if self.page_size < 4096 or self.page_size & (self.page_size - 1):
-            raise ValueError("pool.page_size must be a power of two >= 4096")
-        if self.capacity < self.page_size:
-            raise ValueError("pool.capacity must hold at least one page")
-        return self
-
-
-class StoreConfig(_Section):
-    """The per-node store service (and the client's view of it)."""
-
-    node_id: str = Field(default_factory=socket.gethostname, description="identity in events")
-    address: str | None = Field(
-        None, description="client side: host:port of a running store; unset = embedded store"
-    )
-    grpc_host: str = "127.0.0.1"
-    grpc_port: int = Field(50551, ge=0, le=65535)
-    http_host: str = "127.0.0.1"
-    http_port: int = Field(50552, ge=0, le=65535)
-    run_dir: Path = Field(
-        default_factory=lambda: Path(tempfile.gettempdir()) / "kvtier-run",
-        description="lock files that tell a restart what a crashed store left behind",
-    )
-    lease_ttl_s: float = Field(30.0, gt=0, description="read lease lifetime")
-    write_ttl_s: float = Field(60.0, gt=0, description="allocate-to-commit deadline")
-    max_lease_ttl_s: float = Field(600.0, gt=0)
-    event_buffer: int = Field(
-        65536, ge=16, description="event batches kept for subscribers that fall behind"
-    )
-    grpc_workers: int = Field(16, ge=2)
-    index_address: str | None = Field(
-        None, description="announce this store to the index there (it then follows its events)"
-    )
-    advertise_address: str | None = Field(
-        None,
-        description="host:port other nodes and the index reach this store's gRPC API at "
-        "(default: the bound address, or remote.hostname when bound to all interfaces)",
-    )
-    pool: PoolConfig = Field(default_factory=PoolConfig)
-    remote: RemoteConfig = Field(default_factory=RemoteConfig)
+__all__ = [
+    "AuthConfig",
+    "BackendConfig",
+    "ConnectorConfig",
+    "IndexConfig",
+    "KvtierConfig",
+    "PoolConfig",
+    "RemoteConfig",
+    "RouterConfig",
+    "StoreConfig",
+    "StoreSource",
+    "VllmSource",
+    "load_config",
+]
 
 
 class KvtierConfig(BaseSettings):
@@ -106,6 +62,21 @@ class KvtierConfig(BaseSettings):
     store: StoreConfig = Field(default_factory=StoreConfig)
     connector: ConnectorConfig = Field(default_factory=ConnectorConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @model_validator(mode="after")
+    def _one_index_address(self) -> KvtierConfig:
+        """``store.index_address`` is the old name of ``index.address``."""
+        if self.store.index_address:
+            warnings.warn(
+                "store.index_address is deprecated: set index.address",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if not self.index.address:
+                self.index.address = self.store.index_address
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -21,6 +21,10 @@ class ErrorCode(enum.StrEnum):
     STALE_EPOCH = "STALE_EPOCH"  # request made against a previous incarnation of the store
     UNKNOWN_LOCATION = "UNKNOWN_LOCATION"  # index: instance/node never registered (or forgotten)
     UNAVAILABLE = "UNAVAILABLE"  # the service cannot be reached
+    UNAUTHENTICATED = "UNAUTHENTICATED"  # no credential, or one the service does not know
+    PERMISSION_DENIED = "PERMISSION_DENIED"  # the credential does not allow this call/namespace
+    LIMIT_EXCEEDED = "LIMIT_EXCEEDED"  # a configured bound (namespaces, sessions, batch share)
+    UNKNOWN_SESSION = "UNKNOWN_SESSION"  # session closed or timed out: open a new one
     INTERNAL = "INTERNAL"
 
 

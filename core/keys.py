@@ -106,9 +106,10 @@ def _token_bytes(tokens: Sequence[int] | Any) -> memoryview:
     if isinstance(tokens, array.array) and tokens.typecode == "I" and tokens.itemsize == 4:
         packed = tokens
     elif hasattr(tokens, "astype") and hasattr(tokens, "tobytes"):  # numpy
-        if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= _TOKEN_LIMIT):
+        arr: Any = tokens
+        if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= _TOKEN_LIMIT):
             raise ValueError("token ids must be in [0, 2**32)")
-        return memoryview(tokens.astype("<u4", copy=False).tobytes())
+        return memoryview(arr.astype("<u4", copy=False).tobytes())
     else:
         try:
             packed = array.array("I", tokens)
@@ -180,10 +181,6 @@ class PromptKeyer:
     def truncate(self, chunks: int) -> None:
         """Forget keys past the first ``chunks`` (their tokens may change)."""
         del self.keys[chunks:]
-
-
-def key_hex(key: ChunkKey) -> str:
-    return key.hex()
 
 
 def keys_from_hex(values: Iterable[str]) -> list[ChunkKey]:

@@ -25,10 +25,10 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.chunks import Tier
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.keys import KEY_BYTES, Namespace, chunk_keys
-from kvtier.store.events import EventKind
-from kvtier.tiers.base import Tier
+from kvtier.store.api.events import EventKind
 
 # Tiers an entry can name. REMOTE is a consumer's point of view (another node's DRAM), not
 # somewhere a chunk is held, so it is not one of them.
@@ -61,7 +61,21 @@ class HeartbeatStatus(enum.StrEnum):
 
 class IndexHealth(enum.StrEnum):
     OK = "ok"
-    DEGRADED = "degraded"  # the backend is (partly) unreachable: answers may be empty
+    # the backend is (partly) unreachable, or resyncing after it lost its data: answers may be
+    # empty or incomplete
+    DEGRADED = "degraded"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendResets:
+    """What this process saw of its backend's lifetimes. A Redis index outlives index
+    processes, but Redis itself may restart: with its data (nothing to do) or without (every
+    writer must send its whole state again, see ``ChunkIndex.backend_resets``)."""
+
+    resets: int = 0  # times the backend was found to have lost its data
+    restarts: int = 0  # times it restarted with its data kept
+    reason: str = ""  # the newest reset, for people
+    recovering: bool = False  # still re-registering what this process knows after a reset
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +253,16 @@ class ChunkIndex(abc.ABC):
     def health(self) -> tuple[IndexHealth, str]:
         """OK or DEGRADED, with a reason people can act on."""
 
+    def backend_resets(self) -> BackendResets:
+        """Whether the backend lost its data while this process used it (no I/O: what the
+        last health check or failed write found).
+
+        Writers in this process compare ``resets`` with the count they last sent their whole
+        state for, and ``replace`` when it grew: a cursor check cannot tell them, since the
+        cursors were lost too. Backends that live and die with the process never reset.
+        """
+        return BackendResets()
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (connections, threads)."""
 
@@ -411,6 +435,9 @@ class ForwardingIndex(ChunkIndex):
 
     def health(self) -> tuple[IndexHealth, str]:
         return self.inner.health()
+
+    def backend_resets(self) -> BackendResets:
+        return self.inner.backend_resets()
 
     def close(self) -> None:
         self.inner.close()

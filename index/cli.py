@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from kvtier.config import load_config
+from kvtier.logs import console
 
 index_app = typer.Typer(no_args_is_help=True, help="The global chunk index.")
 
@@ -52,8 +53,8 @@ def serve(
     ] = None,
 ) -> None:
     """Run the index: follows vLLM engines and node stores, serves gRPC and HTTP."""
-    from kvtier.cli import _setup_logging
     from kvtier.index.service import serve as run
+    from kvtier.logs import setup_logging
 
     config = load_config(
         config_file,
@@ -71,16 +72,18 @@ def serve(
             "index.stores": [{"address": a} for a in store] if store else None,
         },
     )
-    _setup_logging(config)
+    setup_logging(config)
     run(config)
 
 
 def _client(config_file: Path | None, address: str | None):  # -> GrpcIndexClient
-    from kvtier.index.grpc_client import GrpcIndexClient
+    from kvtier.index.client.grpc import GrpcIndexClient
+    from kvtier.rpc import ClientAuth
 
     config = load_config(config_file, **{"index.address": address})
     target = config.index.address or f"{config.index.grpc_host}:{config.index.grpc_port}"
-    return GrpcIndexClient(target, timeout_s=10)
+    # the token comes from the config file or KVTIER_AUTH__TOKEN, never from a flag
+    return GrpcIndexClient(target, timeout_s=10, auth=ClientAuth.from_config(config.auth))
 
 
 def _read_ints(text: str) -> list[int]:
@@ -133,7 +136,6 @@ def query(
     if as_json:
         typer.echo(json.dumps(result_json(result), indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{result.num_chunks} chunks, index {result.health.value}")
@@ -147,7 +149,7 @@ def query(
             h.location, h.kind.value, h.node, str(runs.get("gpu", 0)), str(runs.get("cpu", 0)),
             str(runs.get("disk", 0)), str(h.total), f"{time.time() - h.stored_at:.0f} s ago",
         )  # fmt: skip
-    Console().print(table)
+    console().print(table)
 
 
 @index_app.command("stats")
@@ -170,17 +172,16 @@ def stats(
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    console.print(f"index health: {data['health']} ({data['health_reason']})")
+    out = console()
+    out.print(f"index health: {data['health']} ({data['health_reason']})")
     backend = Table(title="backend")
     backend.add_column("stat")
     backend.add_column("value", justify="right")
     for key, value in data.get("backend", {}).items():
         backend.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
-    console.print(backend)
+    out.print(backend)
     sources = Table(title="sources")
     for column in ("source", "kind", "state", "batches", "blocks", "gaps rec/lost", "resyncs"):
         sources.add_column(column)
@@ -189,7 +190,7 @@ def stats(
             s["source"], s["kind"], s["state"], str(s["batches"]), str(s["blocks"]),
             f"{s['gaps_recovered']}/{s['gaps_lost']}", str(s["resyncs"]),
         )  # fmt: skip
-    console.print(sources)
+    out.print(sources)
     locations = Table(title="locations")
     for column in ("location", "kind", "node", "status", "gpu", "cpu", "disk"):
         locations.add_column(column)
@@ -199,4 +200,4 @@ def stats(
             loc["location"], loc["kind"], loc["node"], loc["status"],
             str(e.get("gpu", 0)), str(e.get("cpu", 0)), str(e.get("disk", 0)),
         )  # fmt: skip
-    console.print(locations)
+    out.print(locations)

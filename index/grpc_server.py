@@ -7,44 +7,41 @@ Threading: gRPC runs handlers on its thread pool; the wrapped index is thread-sa
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-from collections.abc import Callable
-from concurrent import futures
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
 
+from kvtier import rpc
+from kvtier.auth import Permission
 from kvtier.errors import ErrorCode, KvtierError
-from kvtier.index import wire
 from kvtier.index.api import ChunkIndex
+from kvtier.index.client import wire
 from kvtier.index.proto import index_pb2 as pb
 from kvtier.index.proto import index_pb2_grpc
 from kvtier.keys import Namespace, unpack_keys
 
 log = logging.getLogger(__name__)
 
-
-def _handler(method: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def wrapper(self: IndexServicer, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except KvtierError as exc:
-            _abort(context, exc)
-        except (ValueError, TypeError) as exc:  # malformed fields (bad key length, ...)
-            _abort(context, KvtierError(ErrorCode.INVALID_ARGUMENT, str(exc)))
-        except Exception as exc:  # pragma: no cover - a bug; keep the server up
-            log.exception("internal error in %s", method.__name__)
-            _abort(context, KvtierError(ErrorCode.INTERNAL, repr(exc)))
-
-    return wrapper
-
-
-def _abort(context: grpc.ServicerContext, exc: KvtierError) -> None:
-    context.set_trailing_metadata(((wire.ERROR_METADATA_KEY, exc.code.value),))
-    context.abort(wire.grpc_status(exc.code), exc.message)
+P = Permission
+# Who may call what (docs/security.md). A method missing here is refused to everyone.
+INDEX_PERMISSIONS: Mapping[str, Permission] = {
+    "Query": P.INDEX_QUERY,
+    "Locations": P.INDEX_QUERY,
+    "Stats": P.INDEX_QUERY,
+    "Register": P.INDEX_ANNOUNCE,  # the index then dials the location's endpoints
+    "Unregister": P.INDEX_ANNOUNCE,
+    "Heartbeat": P.INDEX_ANNOUNCE,
+    "RegisterNamespace": P.INDEX_WRITE,
+    "Apply": P.INDEX_WRITE,
+    "Replace": P.INDEX_WRITE,
+    "Claim": P.INDEX_WRITE,
+    "Namespaces": P.INDEX_LIST,  # every tenant's namespace: routers and admins, not engines
+    "Drop": P.INDEX_ADMIN,
+    "Reap": P.INDEX_ADMIN,
+}
 
 
 class IndexServicer(index_pb2_grpc.IndexServicer):
@@ -52,12 +49,12 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
         self.index = index
         self._stats = stats
 
-    @_handler
+    @rpc.handler
     def Query(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.QueryReply:
         results = self.index.query([wire.query_from_pb(q) for q in request.queries])
         return pb.QueryReply(answers=[wire.result_to_pb(r) for r in results])
 
-    @_handler
+    @rpc.handler
     def RegisterNamespace(
         self, request: pb.RegisterNamespaceRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNamespaceReply:
@@ -70,7 +67,7 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
             namespace = request.ns_id
         return pb.RegisterNamespaceReply(ns_id=self.index.register_namespace(namespace))
 
-    @_handler
+    @rpc.handler
     def Namespaces(
         self, request: pb.NamespacesRequest, context: grpc.ServicerContext
     ) -> pb.NamespacesReply:
@@ -81,43 +78,43 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
             ]
         )
 
-    @_handler
+    @rpc.handler
     def Register(
         self, request: pb.RegisterRequest, context: grpc.ServicerContext
     ) -> pb.RegisterReply:
         info = self.index.register(wire.registration_from_pb(request.registration))
         return pb.RegisterReply(info=wire.info_to_pb(info))
 
-    @_handler
+    @rpc.handler
     def Unregister(
         self, request: pb.LocationRequest, context: grpc.ServicerContext
     ) -> pb.ExistedReply:
         return pb.ExistedReply(existed=self.index.unregister(request.location))
 
-    @_handler
+    @rpc.handler
     def Locations(
         self, request: pb.LocationsRequest, context: grpc.ServicerContext
     ) -> pb.LocationsReply:
         return pb.LocationsReply(locations=[wire.info_to_pb(i) for i in self.index.locations()])
 
-    @_handler
+    @rpc.handler
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatReply:
         statuses = self.index.heartbeat(list(request.locations))
         return pb.HeartbeatReply(statuses=[s.value for s in statuses])
 
-    @_handler
+    @rpc.handler
     def Drop(self, request: pb.LocationRequest, context: grpc.ServicerContext) -> pb.ExistedReply:
         return pb.ExistedReply(existed=self.index.drop(request.location))
 
-    @_handler
+    @rpc.handler
     def Reap(self, request: pb.ReapRequest, context: grpc.ServicerContext) -> pb.ReapReply:
         if request.timeout_s <= 0:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "timeout_s must be > 0")
         return pb.ReapReply(dropped=self.index.reap(request.timeout_s))
 
-    @_handler
+    @rpc.handler
     def Apply(self, request: pb.ApplyRequest, context: grpc.ServicerContext) -> pb.ApplyReply:
         status = self.index.apply(
             request.location,
@@ -128,7 +125,7 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
         )
         return pb.ApplyReply(status=status.value)
 
-    @_handler
+    @rpc.handler
     def Replace(self, request: pb.ReplaceRequest, context: grpc.ServicerContext) -> pb.ReplaceReply:
         holdings: dict = {}
         for part in request.holdings:
@@ -137,12 +134,12 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
         self.index.replace(request.location, holdings, epoch=request.epoch, seq=request.seq)
         return pb.ReplaceReply()
 
-    @_handler
+    @rpc.handler
     def Claim(self, request: pb.ClaimRequest, context: grpc.ServicerContext) -> pb.ClaimReply:
         granted = self.index.claim(request.location, request.owner, request.ttl_s)
         return pb.ClaimReply(granted=granted)
 
-    @_handler
+    @rpc.handler
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
         health, reason = self.index.health()
         return pb.StatsReply(
@@ -156,19 +153,16 @@ def start_grpc_server(
     host: str,
     port: int,
     workers: int = 8,
+    security: rpc.ServerSecurity | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Serve ``index`` on host:port (port 0 picks a free one). Returns (server, bound port)."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-index-grpc"),
-        options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.so_reuseport", 0),
-        ],
+    """Serve ``index`` on host:port (port 0 picks a free one). Returns (server, bound port).
+    ``security``: who may call what (``INDEX_PERMISSIONS``)."""
+    servicer = IndexServicer(index, stats)
+    return rpc.start_server(
+        [(index_pb2_grpc.add_IndexServicer_to_server, servicer)],
+        host,
+        port,
+        workers,
+        "kvtier-index-grpc",
+        security=security,
     )
-    index_pb2_grpc.add_IndexServicer_to_server(IndexServicer(index, stats), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise KvtierError(ErrorCode.UNAVAILABLE, f"cannot listen on {host}:{port}")
-    server.start()
-    return server, bound

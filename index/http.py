@@ -1,12 +1,18 @@
 """The index over HTTP (FastAPI), for probes, Prometheus, people and scripts.
 
+Open: ``/healthz``, ``/readyz``, and ``/metrics`` unless ``auth.metrics_public`` is false.
+Everything else needs a credential when auth is configured (docs/security.md): ``/stats``,
+``/locations`` and ``/query`` a reader's, ``/namespaces`` (every tenant's) a router's (reader)
+or an admin's, never an engine's.
+
 - ``GET /healthz``: the process answers (liveness).
 - ``GET /readyz``: 200 when the backend answers; 503 ``degraded`` with the reason otherwise.
 - ``GET /metrics``: Prometheus text format.
 - ``GET /stats``: backend figures, locations, and every followed source, as JSON.
 - ``GET /locations``, ``GET /namespaces``.
-- ``POST /query``: ``{"ns": "<32 hex>", "tokens": [...]}`` or ``{"ns": ..., "keys": ["<32
-  hex>", ...]}``, or ``{"queries": [<those>, ...]}``; answers what every location holds.
+- ``POST /query`` (body at most 1 MiB): ``{"ns": "<32 hex>", "tokens": [...]}`` or
+  ``{"ns": ..., "keys": ["<32 hex>", ...]}``, or ``{"queries": [<those>, ...]}``; answers what
+  every location holds.
 
 Errors answer ``{"code": "<ErrorCode>", "message": ...}`` with 400/404/503.
 """
@@ -23,7 +29,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvtier import __version__
+from kvtier.auth import Permission
 from kvtier.errors import ErrorCode, KvtierError
+from kvtier.http import HttpGuard
 from kvtier.index.api import ChunkIndex, IndexHealth, LocationInfo, Query, QueryResult
 from kvtier.keys import keys_from_hex
 
@@ -104,8 +112,12 @@ def build_app(
     registry: CollectorRegistry,
     stats: Callable[[], dict[str, Any]],
     started: Callable[[], bool],
+    guard: HttpGuard,
+    metrics_public: bool = True,
 ) -> FastAPI:
     app = FastAPI(title="kvtier index", version=__version__)
+    query_deps = [guard.require(Permission.INDEX_QUERY)]
+    metrics_deps = [] if metrics_public else [guard.require(Permission.METRICS)]
 
     @app.exception_handler(KvtierError)
     async def kvtier_error(request: Request, exc: KvtierError) -> JSONResponse:
@@ -124,19 +136,19 @@ def build_app(
             return JSONResponse({"status": "degraded", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ready", "backend": reason})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=metrics_deps)
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/stats")
+    @app.get("/stats", dependencies=query_deps)
     def get_stats() -> dict[str, Any]:
         return stats()
 
-    @app.get("/locations")
+    @app.get("/locations", dependencies=query_deps)
     def locations() -> list[dict[str, Any]]:
         return [location_json(i) for i in index.locations()]
 
-    @app.get("/namespaces")
+    @app.get("/namespaces", dependencies=[guard.require(Permission.INDEX_LIST)])
     def namespaces() -> dict[str, Any]:
         return {
             ns.hex(): (d.model_dump() if d is not None else None)
@@ -147,7 +159,7 @@ def build_app(
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(KvtierError(ErrorCode.INVALID_ARGUMENT, f"bad request: {exc.errors()}"))
 
-    @app.post("/query")
+    @app.post("/query", dependencies=query_deps)
     def query(body: Any = Body(...)) -> Response:  # noqa: B008 - FastAPI's idiom
         # a sync handler: FastAPI runs it on its thread pool, off the event loop
         try:

@@ -3,7 +3,9 @@
 A *follower* owns one source (a vLLM engine's KV events, a node store's event stream), turns
 its events into chunk ops, and writes them to the index with the source's sequence numbers.
 It keeps the index right across gaps, restarts and outages with one rule: when the index
-answers RESYNC (or was unreachable), send the source's whole state with ``replace``.
+answers RESYNC (or was unreachable), send the source's whole state with ``replace``. The same
+when the backend lost its data (``ChunkIndex.backend_resets`` grew: a Redis restarted empty);
+the index reports itself not ready (``ResyncGate``) until every source it waits for did.
 
 Replicas of the index that share a Redis all follow the same sources; ``ChunkIndex.claim``
 makes exactly one of them the writer of each source, the others stand by warm.
@@ -29,9 +31,16 @@ from typing import Any
 
 import zmq
 
+from kvtier.config_index import IndexConfig, StoreSource, VllmSource
 from kvtier.errors import KvtierError
-from kvtier.index.api import ChunkIndex, HeartbeatStatus, Registration
-from kvtier.index.config import IndexConfig, StoreSource, VllmSource
+from kvtier.index.api import (
+    ChunkIndex,
+    ForwardingIndex,
+    HeartbeatStatus,
+    IndexHealth,
+    Registration,
+)
+from kvtier.rpc import ClientAuth
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +105,10 @@ class Follower(threading.Thread, abc.ABC):
         self._beat_at = 0.0
         self.heard_at = 0.0  # monotonic time the source last showed life
         self.retry_at = 0.0  # after a failed write: when to try again
+        # the backend reset (``BackendResets.resets``) this follower last sent its whole state
+        # after; one started later owes none (it starts with a whole-state write anyway)
+        self.resynced_for = index.backend_resets().resets
+        self._reset_taken = self.resynced_for
 
     @property
     @abc.abstractmethod
@@ -142,6 +155,17 @@ class Follower(threading.Thread, abc.ABC):
         except KvtierError:
             return None
 
+    def take_reset(self) -> bool:
+        """True once per backend reset (the backend lost its data) this follower has not
+        answered yet: the caller registers again and sends its whole state. Once that write
+        succeeded, it sets ``resynced_for`` to ``index.backend_resets().resets`` as read
+        *before* the write (a reset during the write is owed again)."""
+        resets = self.index.backend_resets().resets
+        if resets > max(self.resynced_for, self._reset_taken):
+            self._reset_taken = resets
+            return True
+        return False
+
     def heard(self) -> None:
         self.heard_at = time.monotonic()
         if self.stats.state is SourceState.UNREACHABLE:
@@ -152,9 +176,13 @@ class Follower(threading.Thread, abc.ABC):
 class IngestManager:
     """Runs the followers and the reaper of one index process."""
 
-    def __init__(self, index: ChunkIndex, config: IndexConfig) -> None:
+    def __init__(
+        self, index: ChunkIndex, config: IndexConfig, store_auth: ClientAuth | None = None
+    ) -> None:
+        """``store_auth``: what the index presents to the stores it follows."""
         self.index = index
         self.config = config
+        self.store_auth = store_auth
         self._zmq = zmq.Context()
         self._followers: dict[str, Follower] = {}  # by source key
         self._lock = threading.Lock()
@@ -192,6 +220,39 @@ class IngestManager:
         with self._lock:
             return [f.stats for f in self._followers.values()]
 
+    def resyncing(self) -> list[str]:
+        """Sources that still owe the backend their whole state since it lost its data.
+
+        Not waited for: standby followers (the replica holding the claim writes), failed or
+        stopped ones, and sources silent for ``heartbeat_timeout_s`` (the index would drop
+        them anyway; they send everything when they are heard again, as after any outage).
+        Waiting for those would keep the whole index unready because of one dead engine.
+        """
+        resets = self.index.backend_resets().resets
+        if not resets:
+            return []
+        now = time.monotonic()
+        with self._lock:
+            followers = list(self._followers.values())
+        return sorted(
+            f.stats.source
+            for f in followers
+            if f.resynced_for < resets
+            and f.is_alive()
+            and f.stats.state not in (SourceState.STANDBY, SourceState.FAILED)
+            and now - f.heard_at < self.config.heartbeat_timeout_s
+        )
+
+    def readiness(self, health: tuple[IndexHealth, str]) -> tuple[IndexHealth, str]:
+        """The backend's ``health``, or DEGRADED while sources resync after it lost its data:
+        until then answers miss what those sources hold."""
+        if health[0] is IndexHealth.OK:
+            owed = self.resyncing()
+            if owed:
+                reason = self.index.backend_resets().reason
+                return IndexHealth.DEGRADED, f"{reason}: resyncing {', '.join(owed)}"
+        return health
+
     def _start_vllm(self, source: VllmSource, dynamic: bool) -> None:
         from kvtier.index.vllm_events import VllmFollower
 
@@ -210,7 +271,7 @@ class IngestManager:
         with self._lock:
             if key in self._followers:
                 return
-            follower = StoreFollower(store, self.index, self.config, dynamic)
+            follower = StoreFollower(store, self.index, self.config, dynamic, self.store_auth)
             self._followers[key] = follower
         follower.start()
 
@@ -218,6 +279,10 @@ class IngestManager:
         interval = min(self.config.probe_interval_s, self.config.heartbeat_timeout_s / 4)
         while not self._halt.wait(interval):
             try:
+                # the backend's check that it still holds its data; before ``sync``, so that
+                # registrations a reset took are written back before their absence stops a
+                # dynamic follower (and its mapper's state)
+                self.index.health()
                 for name in self.index.reap(self.config.heartbeat_timeout_s):
                     log.warning("location %s silent for %.0f s: dropped", name,
                                 self.config.heartbeat_timeout_s)  # fmt: skip
@@ -273,4 +338,17 @@ class IngestManager:
             topic=reg.endpoints.get("topic", ""),
             namespaces=base or [ns for ns in namespaces if ns is not None][: len(chunk)],
             node=reg.node,
+            api=reg.endpoints.get("api") or None,
         )
+
+
+class ResyncGate(ForwardingIndex):
+    """The backend as readiness probes see it: DEGRADED, with the reason, while this
+    process's sources resync after the backend lost its data (``IngestManager.readiness``)."""
+
+    def __init__(self, inner: ChunkIndex, ingest: IngestManager) -> None:
+        super().__init__(inner)
+        self.ingest = ingest
+
+    def health(self) -> tuple[IndexHealth, str]:
+        return self.ingest.readiness(self.inner.health())

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from kvtier.chunks import Tier
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.index.api import (
     INDEX_TIERS,
@@ -40,8 +41,7 @@ from kvtier.index.api import (
     resolve_keys,
 )
 from kvtier.keys import KEY_BYTES, Namespace
-from kvtier.store.events import EventKind
-from kvtier.tiers.base import Tier
+from kvtier.store.api.events import EventKind
 
 _NO_CURSOR = Cursor(0, 0)
 

@@ -3,7 +3,8 @@
 - ``MeteredIndex`` wraps any ``ChunkIndex``: a latency histogram per operation (queries in
   their own histogram, per prompt) and query outcomes.
 - ``IndexCollector`` reads, at scrape time, the backend's figures (entries per tier,
-  locations up/down, health) and the followers' counters (events ingested by source and type,
+  locations up/down, health, resets: times it lost its data, and whether sources are still
+  resyncing after one) and the followers' counters (events ingested by source and type,
   vLLM blocks, gaps recovered and lost, rejected input, resyncs, restarts, source state).
 
 Each service builds its own ``CollectorRegistry``: no process-global metric state.
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtier.chunks import Tier
 from kvtier.errors import KvtierError
 from kvtier.index.api import (
     INDEX_TIERS,
@@ -31,7 +33,6 @@ from kvtier.index.api import (
     QueryResult,
 )
 from kvtier.index.ingest import SourceState, SourceStats
-from kvtier.tiers.base import Tier
 
 # Seconds: an in-memory query of a 128k-token prompt takes ~0.1-1 ms, a Redis one a few ms.
 QUERY_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
@@ -119,16 +120,42 @@ class MeteredIndex(ForwardingIndex):
 class IndexCollector(Collector):
     """Backend figures and followers' counters, read at scrape time."""
 
-    def __init__(self, index: ChunkIndex, sources: Callable[[], list[SourceStats]]) -> None:
+    def __init__(
+        self,
+        index: ChunkIndex,
+        sources: Callable[[], list[SourceStats]],
+        resyncing: Callable[[], list[str]] = list,
+    ) -> None:
+        """``resyncing``: the sources still resending their state after a backend reset."""
         self._index = index
         self._sources = sources
+        self._resyncing = resyncing
 
     def collect(self) -> Iterator[Any]:
         health, _ = self._index.health()
         yield GaugeMetricFamily(
             "kvtier_index_degraded",
-            "1 when the backend is (partly) unreachable and answers may be empty",
+            "1 when the backend is (partly) unreachable, or resyncing after it lost its data, "
+            "and answers may be empty",
             value=1.0 if health is IndexHealth.DEGRADED else 0.0,
+        )
+        resets = self._index.backend_resets()
+        yield CounterMetricFamily(
+            "kvtier_index_backend_resets",
+            "Times the backend was found to have lost its data (e.g. a Redis restarted empty)",
+            value=resets.resets,
+        )
+        yield CounterMetricFamily(
+            "kvtier_index_backend_restarts",
+            "Times the backend restarted with its data kept (nothing to resync)",
+            value=resets.restarts,
+        )
+        resyncing = resets.recovering or bool(resets.resets and self._resyncing())
+        yield GaugeMetricFamily(
+            "kvtier_index_resyncing",
+            "1 while the index rebuilds itself after its backend lost its data (registrations, "
+            "then every source's whole state)",
+            value=1.0 if resyncing else 0.0,
         )
         try:
             stats = self._index.stats()
@@ -139,16 +166,18 @@ class IndexCollector(Collector):
                 "kvtier_index_entries", "Chunk entries (chunk, location) by tier", labels=["tier"]
             )
             for tier in INDEX_TIERS:
-                entries.add_metric([tier.value], stats.get(f"entries_{tier.value}", 0))
+                entries.add_metric([tier.value], float(stats.get(f"entries_{tier.value}", 0)))
             yield entries
             locations = GaugeMetricFamily(
                 "kvtier_index_locations", "Registered locations by status", labels=["status"]
             )
-            locations.add_metric(["up"], stats.get("locations_up", 0))
-            locations.add_metric(["down"], stats.get("locations_down", 0))
+            locations.add_metric(["up"], float(stats.get("locations_up", 0)))
+            locations.add_metric(["down"], float(stats.get("locations_down", 0)))
             yield locations
             yield GaugeMetricFamily(
-                "kvtier_index_namespaces", "Known namespaces", value=stats.get("namespaces", 0)
+                "kvtier_index_namespaces",
+                "Known namespaces",
+                value=float(stats.get("namespaces", 0)),
             )
         yield from self._source_metrics(self._sources())
 
@@ -204,8 +233,10 @@ class IndexCollector(Collector):
 
 
 def build_registry(
-    index: ChunkIndex, sources: Callable[[], list[SourceStats]]
+    index: ChunkIndex,
+    sources: Callable[[], list[SourceStats]],
+    resyncing: Callable[[], list[str]] = list,
 ) -> tuple[MeteredIndex, CollectorRegistry]:
     registry = CollectorRegistry()
-    registry.register(IndexCollector(index, sources))
+    registry.register(IndexCollector(index, sources, resyncing))
     return MeteredIndex(index, registry), registry

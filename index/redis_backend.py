@@ -8,6 +8,12 @@ When Redis is unreachable, queries answer empty with ``IndexHealth.DEGRADED`` an
 UNAVAILABLE; nothing crashes, and writers resync once it is back (their next ``apply`` sees a
 gap or an unknown location and they ``replace``).
 
+When Redis comes back *without its data* (restarted without persistence, flushed), cursors
+cannot tell: ``backend_watch.GenerationWatch`` notices (on every health check, and when a
+write finds its namespace or location gone), this backend writes back the namespaces and the
+locations it registered, and ``backend_resets()`` tells this process's writers to send their
+whole state again.
+
 Threading: thread-safe (redis-py's connection pool); the caches of namespaces and location
 registrations are guarded by a lock.
 """
@@ -15,6 +21,7 @@ registrations are guarded by a lock.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +29,7 @@ from typing import Any
 
 import redis
 
+from kvtier.chunks import Tier
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.index import redis_lua
 from kvtier.index.api import (
@@ -29,6 +37,7 @@ from kvtier.index.api import (
     TIER_BITS,
     TIER_INDEX,
     ApplyStatus,
+    BackendResets,
     ChunkIndex,
     ChunkOp,
     Cursor,
@@ -47,9 +56,11 @@ from kvtier.index.api import (
     order_holdings,
     resolve_keys,
 )
+from kvtier.index.backend_watch import GenerationWatch
 from kvtier.keys import KEY_BYTES, Namespace
-from kvtier.store.events import EventKind
-from kvtier.tiers.base import Tier
+from kvtier.store.api.events import EventKind
+
+log = logging.getLogger(__name__)
 
 _KIND_CODE = {EventKind.STORED: "s", EventKind.REMOVED: "r", EventKind.CLEARED: "c"}
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
@@ -106,7 +117,9 @@ class RedisIndex(ChunkIndex):
         self._lock = threading.Lock()
         self._ns: dict[bytes, Namespace | None] = {}
         self._regs: dict[str, Registration] = {}
+        self._own: set[str] = set()  # locations registered through this process
         self._down_reason = ""
+        self._watch = GenerationWatch(self._r, self._p + b"generation", url, self._rewrite)
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -115,6 +128,8 @@ class RedisIndex(ChunkIndex):
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
+            if self._watch.generation is None:  # first contact: adopt before writing
+                self._watch.establish()
             result = fn(*args, **kwargs)
         except _REDIS_DOWN as exc:
             self._down_reason = f"redis {self.url} unreachable: {exc}"
@@ -123,6 +138,35 @@ class RedisIndex(ChunkIndex):
             raise KvtierError(ErrorCode.INTERNAL, f"redis: {exc}") from None
         self._down_reason = ""
         return result
+
+    def _suspect(self) -> None:
+        """A write found its namespace or location gone: Redis may have lost its data. Check
+        now rather than at the next health check, so that writers resync at once."""
+        try:
+            self._call(self._watch.check)
+        except KvtierError as exc:
+            log.debug("redis generation check: %s", exc)
+
+    def _rewrite(self) -> None:
+        """After a reset: write back every namespace this process knows and every location
+        it registered (not those it only read: their registrants, maybe other replicas, write
+        them back; a stale copy of ours would resurrect one unregistered meanwhile). The
+        locations come back UP with an empty cursor, so their writers' next ``apply`` answers
+        RESYNC even if they missed the reset."""
+        with self._lock:
+            namespaces = dict(self._ns)
+            regs = [self._regs[name] for name in sorted(self._own) if name in self._regs]
+        pipe = self._r.pipeline(transaction=False)
+        for ns_id, namespace in namespaces.items():
+            if namespace is not None:
+                pipe.hset(self._p + b"ns", ns_id, namespace.model_dump_json())
+        for ns_id in dict.fromkeys([*namespaces, *(n for r in regs for n in r.namespaces)]):
+            pipe.hsetnx(self._p + b"ns", ns_id, b"")
+        now = repr(self._clock())
+        for reg in regs:
+            args: list[Any] = [self._p, reg.location, _reg_to_json(reg), now, *reg.namespaces]
+            self._register(keys=[self._loc_key(reg.location)], args=args, client=pipe)
+        self._call(pipe.execute)
 
     def _namespace(self, ns_id: bytes) -> tuple[bool, Namespace | None]:
         """(known, definition), from the cache or Redis. Definitions never change (the id is
@@ -150,6 +194,8 @@ class RedisIndex(ChunkIndex):
         if not isinstance(namespace, bytes) or len(namespace) != KEY_BYTES:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "a namespace id is 16 bytes")
         self._call(self._r.hsetnx, self._p + b"ns", namespace, b"")
+        with self._lock:
+            self._ns.setdefault(namespace, None)  # known: written back after a reset
         return namespace
 
     def namespaces(self) -> dict[bytes, Namespace | None]:
@@ -173,12 +219,14 @@ class RedisIndex(ChunkIndex):
             ],
         )
         if result[0] == b"unknown_ns":
+            self._suspect()
             raise KvtierError(
                 ErrorCode.UNKNOWN_NAMESPACE,
                 f"register namespace {result[1].hex()} before a location that serves it",
             )
         with self._lock:
             self._regs[registration.location] = registration
+            self._own.add(registration.location)
         info = self._location(registration.location)
         assert info is not None
         return info
@@ -189,6 +237,7 @@ class RedisIndex(ChunkIndex):
         )
         with self._lock:
             self._regs.pop(location, None)
+            self._own.discard(location)
         return bool(done)
 
     def _location(self, name: str) -> LocationInfo | None:
@@ -224,7 +273,10 @@ class RedisIndex(ChunkIndex):
         pipe = self._r.pipeline(transaction=False)
         for name in locations:
             self._heartbeat(keys=[self._loc_key(name)], args=[now], client=pipe)
-        return [HeartbeatStatus(r.decode()) for r in self._call(pipe.execute)]
+        statuses = [HeartbeatStatus(r.decode()) for r in self._call(pipe.execute)]
+        if HeartbeatStatus.UNKNOWN in statuses:  # an idle writer's only sign of a reset
+            self._suspect()
+        return statuses
 
     def drop(self, location: str) -> bool:
         done = self._call(
@@ -252,6 +304,15 @@ class RedisIndex(ChunkIndex):
 
     # -- writes -------------------------------------------------------------------------------
 
+    def _check_known(self, check: Callable[[], None]) -> None:
+        """Run a validation; an unknown namespace may mean Redis lost its data."""
+        try:
+            check()
+        except KvtierError as exc:
+            if exc.code is ErrorCode.UNKNOWN_NAMESPACE:
+                self._suspect()
+            raise
+
     def _known_ns(self, ops: Sequence[ChunkOp]) -> dict[bytes, None]:
         known: dict[bytes, None] = {}
         for op in ops:
@@ -272,7 +333,7 @@ class RedisIndex(ChunkIndex):
         seq_from: int = 0,
         seq_to: int = 0,
     ) -> ApplyStatus:
-        check_ops(ops, self._known_ns(ops))
+        self._check_known(lambda: check_ops(ops, self._known_ns(ops)))
         if seq_to and (seq_from <= 0 or seq_from > seq_to):
             raise KvtierError(
                 ErrorCode.INVALID_ARGUMENT, f"bad sequence range {seq_from}..{seq_to} (1-based)"
@@ -283,6 +344,7 @@ class RedisIndex(ChunkIndex):
             args += [_KIND_CODE[op.kind], tier, len(op.keys), *op.keys]
         result = self._call(self._apply, keys=[self._loc_key(location)], args=args).decode()
         if result == "unknown":
+            self._suspect()
             raise KvtierError(
                 ErrorCode.UNKNOWN_LOCATION, f"location {location!r} is not registered"
             )
@@ -297,7 +359,7 @@ class RedisIndex(ChunkIndex):
         seq: int,
     ) -> None:
         known = {ns: None for by_ns in holdings.values() for ns in by_ns if self._namespace(ns)[0]}
-        check_holdings(holdings, known)
+        self._check_known(lambda: check_holdings(holdings, known))
         loc_key = self._loc_key(location)
         begun = self._call(
             self._begin_replace,
@@ -305,6 +367,7 @@ class RedisIndex(ChunkIndex):
             args=[self._p, str(epoch), seq, repr(self._clock())],
         )
         if begun == b"unknown":
+            self._suspect()
             raise KvtierError(
                 ErrorCode.UNKNOWN_LOCATION, f"location {location!r} is not registered"
             )
@@ -399,11 +462,18 @@ class RedisIndex(ChunkIndex):
         return out
 
     def health(self) -> tuple[IndexHealth, str]:
+        """Also the generation check: a Redis that lost its data answers pings too."""
         try:
-            self._call(self._r.ping)
+            self._call(self._watch.check)
         except KvtierError as exc:
+            resets = self._watch.state()
+            if resets.recovering:
+                return IndexHealth.DEGRADED, f"{resets.reason}: resyncing ({exc.message})"
             return IndexHealth.DEGRADED, exc.message
         return IndexHealth.OK, f"redis {self.url}"
+
+    def backend_resets(self) -> BackendResets:
+        return self._watch.state()
 
     def flush(self) -> int:
         """Delete every key under the prefix (tests, benchmarks). Returns how many."""
@@ -413,6 +483,8 @@ class RedisIndex(ChunkIndex):
         with self._lock:
             self._ns.clear()
             self._regs.clear()
+            self._own.clear()
+        self._watch.forget()  # the generation went too, on purpose: not a reset
         return n
 
     def close(self) -> None:

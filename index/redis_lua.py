@@ -10,6 +10,8 @@ Key layout under the prefix ``P`` (bytes, default ``kvtier:index:``):
   ``P next`` counter.
 - ``P ns``         hash namespace id (16 raw bytes) -> Namespace JSON ('' = known by id).
 - ``P w:<name>``   the writer claim of a location (value = owner, with a TTL).
+- ``P generation`` a random id: missing or changed means Redis lost the rest (see
+  ``backend_watch``).
 
 Scripts take the prefix as ARGV[1]. They touch keys they derive from it, so they need a
 single Redis (not Cluster), which is what the backend supports.

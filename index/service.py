@@ -19,14 +19,18 @@ from typing import Any
 
 import grpc
 
+from kvtier import rpc
+from kvtier.auth import Authenticator, check_exposure
 from kvtier.config import KvtierConfig
-from kvtier.index.api import ChunkIndex, ForwardingIndex
-from kvtier.index.config import IndexConfig
-from kvtier.index.grpc_server import start_grpc_server
+from kvtier.config_auth import AuthConfig
+from kvtier.config_index import IndexConfig
+from kvtier.http import HttpGuard, HttpServer
+from kvtier.index.api import ChunkIndex, ForwardingIndex, IndexHealth
+from kvtier.index.client import connect  # noqa: F401 - kvtier.index.service.connect, kept
+from kvtier.index.grpc_server import INDEX_PERMISSIONS, start_grpc_server
 from kvtier.index.http import build_app, location_json
-from kvtier.index.ingest import IngestManager
+from kvtier.index.ingest import IngestManager, ResyncGate
 from kvtier.index.metrics import build_registry
-from kvtier.store.http import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +64,12 @@ class EmbeddedIndex(ForwardingIndex):
     def stats(self) -> dict[str, Any]:
         return {**self.inner.stats(), "sources": [s.snapshot() for s in self.ingest.sources()]}
 
+    def health(self) -> tuple[IndexHealth, str]:
+        return self.ingest.readiness(self.inner.health())
+
     def close(self) -> None:
         self.ingest.stop()
         self.inner.close()
-
-
-def connect(config: IndexConfig) -> ChunkIndex:
-    """The index at ``config.address``, or an embedded one."""
-    if config.address:
-        from kvtier.index.grpc_client import GrpcIndexClient
-
-        return GrpcIndexClient(config.address)
-    return EmbeddedIndex(config)
 
 
 @dataclass
@@ -87,25 +85,53 @@ class IndexService:
     http_address: str
 
     @classmethod
-    def start(cls, config: IndexConfig, backend: ChunkIndex | None = None) -> IndexService:
+    def start(
+        cls,
+        config: IndexConfig,
+        backend: ChunkIndex | None = None,
+        auth: AuthConfig | None = None,
+    ) -> IndexService:
+        """``auth``: who may call the index, and what it presents to the stores it follows."""
+        auth = auth or AuthConfig()
+        check_exposure("kvtier index", [config.grpc_host, config.http_host], auth)
+        authenticator = Authenticator(auth)
+        security = rpc.ServerSecurity(
+            authenticator, INDEX_PERMISSIONS, auth.tls if auth.tls.enabled else None
+        )
         backend = backend if backend is not None else build_backend(config)
         ingest: IngestManager | None = None
         try:
-            ingest = IngestManager(backend, config)
-            metered, registry = build_registry(backend, ingest.sources)
+            ingest = IngestManager(backend, config, rpc.ClientAuth.from_config(auth))
+            # health (readiness, metrics, stats) says "resyncing" until the sources have
+            # resent their state after the backend lost its data
+            gate = ResyncGate(backend, ingest)
+            metered, registry = build_registry(gate, ingest.sources, ingest.resyncing)
             ingest.index = metered  # followers' writes are timed too
 
             def stats() -> dict[str, Any]:
                 return _stats(metered, ingest)
 
             server, grpc_port = start_grpc_server(
-                metered, stats, config.grpc_host, config.grpc_port, config.grpc_workers
+                metered,
+                stats,
+                config.grpc_host,
+                config.grpc_port,
+                config.grpc_workers,
+                security=security,
             )
             started = threading.Event()
             http = HttpServer(
-                build_app(metered, registry, stats, started.is_set),
+                build_app(
+                    metered,
+                    registry,
+                    stats,
+                    started.is_set,
+                    HttpGuard(authenticator),
+                    auth.metrics_public,
+                ),
                 config.http_host,
                 config.http_port,
+                tls=security.tls,
             )
             http_port = http.start()
             ingest.start()
@@ -147,7 +173,7 @@ def _stats(index: ChunkIndex, ingest: IngestManager) -> dict[str, Any]:
 
 def serve(config: KvtierConfig) -> None:
     """Run the index until SIGINT/SIGTERM. Prints one JSON 'ready' line on stdout."""
-    service = IndexService.start(config.index)
+    service = IndexService.start(config.index, auth=config.auth)
     tune_gc()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

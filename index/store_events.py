@@ -7,8 +7,9 @@ stream, because a silent stream cannot tell an idle store from a dead one.
 
 Recovery: the store says its buffer no longer holds what we ask (a gap), or answers from a
 new epoch (it restarted), or the index answers RESYNC (dropped for silence, another writer,
-an outage): take a ``Snapshot`` (the store's whole state and the sequence number it reflects)
-and ``replace`` the node's entries with it, then read on from there. At start the follower
+an outage), or the backend lost its data (``Follower.take_reset``): register again, take a
+``Snapshot`` (the store's whole state and the sequence number it reflects) and ``replace``
+the node's entries with it, then read on from there. At start the follower
 resumes from the index's cursor when the index already holds this store's epoch (a Redis
 index outlives the index process), else it starts with a snapshot.
 
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 import logging
 
+from kvtier.chunks import Tier
+from kvtier.config_index import IndexConfig, StoreSource
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.index.api import ApplyStatus, ChunkIndex, ChunkOp, LocationKind, Registration
-from kvtier.index.config import IndexConfig, StoreSource
 from kvtier.index.ingest import Follower, SourceState
 from kvtier.keys import KEY_BYTES
-from kvtier.store.events import EventBatch, EventGap, EventKind
-from kvtier.tiers.base import Tier
+from kvtier.rpc import ClientAuth
+from kvtier.store.api.events import EventBatch, EventGap, EventKind
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +40,17 @@ class _StoreError(KvtierError):
 
 class StoreFollower(Follower):
     def __init__(
-        self, source: StoreSource, index: ChunkIndex, config: IndexConfig, dynamic: bool = False
+        self,
+        source: StoreSource,
+        index: ChunkIndex,
+        config: IndexConfig,
+        dynamic: bool = False,
+        auth: ClientAuth | None = None,
     ) -> None:
+        """``auth``: what the index presents to the store (an index credential)."""
         super().__init__(source.address, "store", index, config, dynamic)
         self.source = source
+        self.auth = auth
         self._client = None
         self._node = ""  # the store's node id: our location name
         self._epoch = 0
@@ -64,6 +73,9 @@ class StoreFollower(Follower):
                     self._synced = False
                     self.halt.wait(self.config.probe_interval_s)
                     continue
+                if self.take_reset():  # the backend lost our namespaces, location and entries
+                    self._namespaces.clear()
+                    self._synced = self._resume = False
                 if not self._synced:
                     self._resync()
                 self._read()
@@ -76,6 +88,8 @@ class StoreFollower(Follower):
 
     def _failed(self, exc: KvtierError) -> None:
         self._synced = False
+        if exc.code is ErrorCode.UNKNOWN_NAMESPACE:
+            self._namespaces.clear()  # the backend forgot them: register them all again
         if exc.code is ErrorCode.UNKNOWN_LOCATION:
             self._namespaces.clear()  # re-register everything (see VllmFollower._flush)
             if self.dynamic:
@@ -85,10 +99,13 @@ class StoreFollower(Follower):
         self.halt.wait(min(1.0, self.config.probe_interval_s))
 
     def _connect(self) -> None:
-        from kvtier.store.grpc_client import GrpcStoreClient
+        from kvtier.store.client.grpc import GrpcStoreClient
 
-        self._client = self._store_call(GrpcStoreClient, self.source.address, timeout_s=5.0)
-        info = self._client.info()
+        client = self._store_call(
+            GrpcStoreClient, self.source.address, timeout_s=5.0, auth=self.auth
+        )
+        self._client = client
+        info = client.info()
         self._node = info.node_id
         self.stats.source = info.node_id
         self.heard()
@@ -136,11 +153,13 @@ class StoreFollower(Follower):
                 self._next = info.cursor.seq + 1
                 self._synced = True
                 return
+        resets = self.index.backend_resets().resets  # before: a reset during this is owed again
         snap = self._store_call(self._client.snapshot)
         self._register(list(snap.chunks))
         self.index.replace(self._node, {Tier.CPU: snap.chunks}, epoch=self._epoch, seq=snap.seq)
         self._next = snap.seq + 1
         self._synced = True
+        self.resynced_for = resets
         self.stats.resyncs += 1
 
     def _read(self) -> None:

@@ -40,11 +40,11 @@ from typing import Any
 
 import xxhash
 
+from kvtier.chunks import Tier
 from kvtier.index.api import ChunkOp
 from kvtier.index.vllm_wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEvent
 from kvtier.keys import Namespace, salt_digest
-from kvtier.store.events import EventKind
-from kvtier.tiers.base import Tier
+from kvtier.store.api.events import EventKind
 
 MEDIA: dict[str | None, int] = {"GPU": 0, "CPU": 1, "STORAGE": 2, None: 0}
 MEDIUM_TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
@@ -300,7 +300,8 @@ class BlockMapper:
                 if win is None or win.chain != chain:
                     win = self._windows[h] = _Window(chain, start, nsx, h)
             else:
-                win = parent[WIN]  # type: ignore[union-attr]
+                assert parent is not None
+                win = parent[WIN]
                 assert win is not None
             win.live += 1
             blk[WIN] = win
@@ -309,16 +310,18 @@ class BlockMapper:
                 return
             shift = _SHIFT * m
             held = True
-            parts, path, cur = [tokens], [h], blk
+            parts, path = [tokens], [h]
+            cur: _Block = blk
             get = self._blocks.get
             while cur[START] > win.start:  # gather the window's earlier blocks on this path
                 ph = cur[PARENT]
-                cur = get(ph)  # type: ignore[arg-type, assignment]
-                if cur is None or cur[WIN] is not win or cur[TAIL] is None:
+                parent_blk = get(ph)
+                if parent_blk is None or parent_blk[WIN] is not win or parent_blk[TAIL] is None:
                     self._release(blk)  # an ancestor in the window is gone: cannot key it
                     return
+                cur = parent_blk
                 parts.append(cur[TAIL])
-                path.append(ph)  # type: ignore[arg-type]
+                path.append(ph)
                 if held and not (cur[REFS] >> shift) & _COUNT:
                     held = False
             parts.reverse()
@@ -421,13 +424,13 @@ class BlockMapper:
         if blk[END] - blk[START] > self.chunk_tokens:  # whole windows in one block
             return bool((blk[REFS] >> shift) & _COUNT)
         win = blk[WIN]
-        cur = blk
+        cur: _Block | None = blk
         while True:
             if cur is None or cur[WIN] is not win or not (cur[REFS] >> shift) & _COUNT:
                 return False
-            if cur[START] <= win.start:  # type: ignore[union-attr]
+            if cur[START] <= win.start:
                 return True
-            cur = self._blocks.get(cur[PARENT])  # type: ignore[arg-type, assignment]
+            cur = self._blocks.get(cur[PARENT])
 
     def _recheck(self, h: BlockHash, blk: _Block, m: int, kind: EventKind) -> None:
         """``blk`` just appeared in medium ``m`` / is about to leave it: emit every chunk
@@ -481,12 +484,13 @@ class BlockMapper:
                 got.append(key)
 
     def _release(self, blk: _Block) -> None:
-        win = blk[WIN]
+        win: _Window | None = blk[WIN]
         blk[WIN] = None
         if win is not None:
             win.live -= 1
-            if not win.live and self._windows.get(win.first) is win:
-                del self._windows[win.first]
+            first = win.first
+            if not win.live and self._windows.get(first) is win:
+                del self._windows[first]
 
     def _forget(self, h: BlockHash, blk: _Block) -> None:
         del self._blocks[h]

@@ -20,6 +20,8 @@ What can go wrong, and what this does:
 - *The engine restarted*: sequence numbers went back, or the probe found a different batch
   (or none) where ours was. Forget the mapper, replay from 0, replace.
 - *Malformed batches or events*: skipped and counted, the rest of the batch applies.
+- *The index's backend lost its data* (``Follower.take_reset``): register again and replace
+  with the mapper's state, which is the engine's as far as we learned it (nothing to replay).
 
 Threading: everything here runs on the follower's own thread (ZMQ sockets are not
 thread-safe); only ``stats`` is read from elsewhere.
@@ -35,9 +37,9 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from kvtier.config_index import IndexConfig, VllmSource
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.index.api import ApplyStatus, ChunkIndex, HeartbeatStatus, LocationKind, Registration
-from kvtier.index.config import IndexConfig, VllmSource
 from kvtier.index.ingest import Follower, SourceState
 from kvtier.index.vllm_blocks import BlockMapper
 from kvtier.index.vllm_wire import (
@@ -337,6 +339,8 @@ class VllmFollower(Follower):
         endpoints = {"events": self.source.endpoint, "topic": self.source.topic}
         if self.source.replay_endpoint:
             endpoints["replay"] = self.source.replay_endpoint
+        if self.source.api:  # routers find the instance by it: keep it across re-registrations
+            endpoints["api"] = self.source.api
         return Registration(
             self.location,
             LocationKind.INSTANCE,
@@ -362,6 +366,8 @@ class VllmFollower(Follower):
             self._synced = False
             return
         try:
+            if self.take_reset():  # the backend lost our namespaces, registration, entries
+                self._registered = self._synced = False
             if not self._registered or self.mapper.new_namespaces:
                 self._register()
             if not self.is_writer():
@@ -383,9 +389,11 @@ class VllmFollower(Follower):
                     else:
                         self._written = upto
             if not self._synced:
+                resets = self.index.backend_resets().resets  # a reset during it is owed again
                 self.index.replace(
                     self.location, self.mapper.holdings(), epoch=self._epoch, seq=upto
                 )
+                self.resynced_for = resets
                 self._synced = True
                 self._written = upto
                 self.stats.resyncs += 1

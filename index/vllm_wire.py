@@ -87,8 +87,4 @@ def encode_batch(ts: float, events: list[KvEvent], rank: int = 0) -> bytes:
     return msgspec.msgpack.encode([ts, events, rank])
 
 
-def seq_bytes(seq: int) -> bytes:
-    return seq.to_bytes(8, "big")
-
-
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # end of a replay

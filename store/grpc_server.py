@@ -9,61 +9,98 @@ Threading: gRPC runs handlers on its thread pool; the wrapped store is thread-sa
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-from collections.abc import Callable, Iterator
-from concurrent import futures
+import threading
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from kvtier import rpc
+from kvtier.auth import Permission
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.keys import Namespace, unpack_keys
-from kvtier.store import wire
 from kvtier.store.api import StoreClient
-from kvtier.store.events import EventGap
+from kvtier.store.api.events import EventGap
+from kvtier.store.client import wire
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+P = Permission
+# Who may call what (docs/security.md). A method missing here is refused to everyone.
+STORE_PERMISSIONS: Mapping[str, Permission] = {
+    "Info": P.STORE_INFO,
+    "RegisterNamespace": P.STORE_DATA,
+    "Lookup": P.STORE_DATA,
+    "Allocate": P.STORE_DATA,
+    "Commit": P.STORE_DATA,
+    "Abort": P.STORE_DATA,
+    "Release": P.STORE_DATA,
+    "Renew": P.STORE_DATA,
+    "Delete": P.STORE_DATA,
+    "Fetch": P.STORE_DATA,
+    "OpenSession": P.STORE_DATA,
+    "Heartbeat": P.STORE_DATA,
+    "CloseSession": P.STORE_DATA,
+    "Clear": P.STORE_ADMIN,
+    "Stats": P.STORE_OBSERVE,
+    "Snapshot": P.STORE_OBSERVE,
+    "ReadEvents": P.STORE_OBSERVE,
+    "LeaseForPeer": P.STORE_PEER,
+}
 
-def _handler(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Map KvtierError / bad input to a gRPC status with the kvtier error code attached."""
 
-    @functools.wraps(method)
-    def wrapper(self: StoreServicer, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            epoch = getattr(request, "epoch", None)
-            if epoch and epoch != self.epoch:
-                raise KvtierError(
-                    ErrorCode.STALE_EPOCH,
-                    f"store restarted: client epoch {epoch:016x}, store epoch {self.epoch:016x}",
-                )
-            return method(self, request, context)
-        except KvtierError as exc:
-            _abort(context, exc)
-        except (ValueError, TypeError) as exc:  # malformed fields (bad key length, ...)
-            _abort(context, KvtierError(ErrorCode.INVALID_ARGUMENT, str(exc)))
-        except Exception as exc:  # pragma: no cover - a bug; keep the server up
-            log.exception("internal error in %s", method.__name__)
-            _abort(context, KvtierError(ErrorCode.INTERNAL, repr(exc)))
+class TenantGate:
+    """Which tenant (salt digest) each namespace id belongs to, so a tenant's engine touches
+    only its own. An engine limited to some tenants gets the same answer for a namespace that
+    is another tenant's as for one never registered: it cannot probe which exist."""
 
-    return wrapper
+    def __init__(self) -> None:
+        self._salts: dict[bytes, str] = {}
+        self._lock = threading.Lock()
 
+    def register(self, namespace: Namespace, ns_id: bytes) -> None:
+        caller = rpc.caller()
+        if not caller.may_use_salt(namespace.cache_salt):
+            raise KvtierError(
+                ErrorCode.PERMISSION_DENIED,
+                f"{caller.name} may not use this namespace's tenant (cache_salt)",
+            )
+        with self._lock:
+            self._salts[ns_id] = namespace.cache_salt
 
-def _abort(context: grpc.ServicerContext, exc: KvtierError) -> None:
-    context.set_trailing_metadata(((wire.ERROR_METADATA_KEY, exc.code.value),))
-    context.abort(wire.GRPC_STATUS[exc.code], exc.message)
+    def check(self, ns_id: bytes) -> None:
+        caller = rpc.caller()
+        if caller.salts is None:
+            return
+        with self._lock:
+            salt = self._salts.get(ns_id)
+        if salt is None or not caller.may_use_salt(salt):
+            raise KvtierError(
+                ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns_id.hex()} is not registered"
+            )
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
     def __init__(self, store: StoreClient) -> None:
         self.store = store
         self.epoch = store.info().epoch
+        self.tenants = TenantGate()
 
-    @_handler
+    def check(self, request: Any) -> None:
+        """Refuse a client attached to a previous incarnation: its offsets mean nothing here."""
+        epoch = getattr(request, "epoch", None)
+        if epoch and epoch != self.epoch:
+            raise KvtierError(
+                ErrorCode.STALE_EPOCH,
+                f"store restarted: client epoch {epoch:016x}, store epoch {self.epoch:016x}",
+            )
+
+    @rpc.handler
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
         info = self.store.info()
         return pb.InfoReply(
@@ -75,9 +112,11 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             version=info.version,
             transfer_address=info.transfer_address,
             transfer_base=info.transfer_base,
+            lease_ttl_s=info.lease_ttl_s,
+            session_timeout_s=info.session_timeout_s,
         )
 
-    @_handler
+    @rpc.handler
     def RegisterNamespace(
         self, request: pb.RegisterNamespaceRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNamespaceReply:
@@ -85,26 +124,35 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             namespace = Namespace.model_validate_json(request.namespace_json)
         except ValueError as exc:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"bad namespace: {exc}") from exc
+        self.tenants.register(namespace, namespace.root_key())  # refused before it exists
         ns_id = self.store.register_namespace(namespace, request.chunk_bytes)
         return pb.RegisterNamespaceReply(ns_id=ns_id)
 
-    @_handler
+    @rpc.handler
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
+        self.tenants.check(request.ns_id)
         ttl = request.lease_ttl_s if request.lease_ttl_s > 0 else None
-        result = self.store.lookup(request.ns_id, unpack_keys(request.keys), ttl)
+        result = self.store.lookup(
+            request.ns_id, unpack_keys(request.keys), ttl, session=request.session
+        )
         return pb.LookupReply(
             hits=wire.locations_to_pb(result.hits),
             stop=wire.LOOKUP_STATUS[result.stop],
             lease_id=result.lease_id,
         )
 
-    @_handler
+    @rpc.handler
     def Allocate(
         self, request: pb.AllocateRequest, context: grpc.ServicerContext
     ) -> pb.AllocateReply:
+        self.tenants.check(request.ns_id)
         ttl = request.ttl_s if request.ttl_s > 0 else None
         result = self.store.allocate(
-            request.ns_id, unpack_keys(request.keys), list(request.sizes), ttl
+            request.ns_id,
+            unpack_keys(request.keys),
+            list(request.sizes),
+            ttl,
+            session=request.session,
         )
         reply = pb.AllocateReply(
             lease_id=result.lease_id,
@@ -113,42 +161,62 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         reply.statuses.extend(wire.ALLOC_STATUS[s] for s in result.statuses)
         return reply
 
-    @_handler
+    @rpc.handler
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
         keys = unpack_keys(request.keys) if request.keys else None
         committed = self.store.commit(request.lease_id, keys, list(request.checksums))
         return pb.CommitReply(committed=committed)
 
-    @_handler
+    @rpc.handler
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
         keys = unpack_keys(request.keys) if request.keys else None
         return pb.AbortReply(aborted=self.store.abort(request.lease_id, keys))
 
-    @_handler
+    @rpc.handler
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
         statuses = self.store.release(list(request.lease_ids))
         reply = pb.ReleaseReply()
         reply.statuses.extend(wire.LEASE_STATUS[s] for s in statuses)
         return reply
 
-    @_handler
+    @rpc.handler
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
         ttl = request.ttl_s if request.ttl_s > 0 else None
         return pb.RenewReply(ttl_s=self.store.renew(request.lease_id, ttl))
 
-    @_handler
+    @rpc.handler
+    def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
+    ) -> pb.OpenSessionReply:
+        session = self.store.open_session()
+        return pb.OpenSessionReply(session=session, timeout_s=self.store.info().session_timeout_s)
+
+    @rpc.handler
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatReply:
+        return pb.HeartbeatReply(alive=self.store.heartbeat(request.session))
+
+    @rpc.handler
+    def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
+    ) -> pb.CloseSessionReply:
+        return pb.CloseSessionReply(released=self.store.close_session(request.session))
+
+    @rpc.handler
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:
+        self.tenants.check(request.ns_id)
         return pb.DeleteReply(deleted=self.store.delete(request.ns_id, unpack_keys(request.keys)))
 
-    @_handler
+    @rpc.handler
     def Clear(self, request: pb.ClearRequest, context: grpc.ServicerContext) -> pb.ClearReply:
         return pb.ClearReply(cleared=self.store.clear())
 
-    @_handler
+    @rpc.handler
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
         return pb.StatsReply(stats_json=json.dumps(self.store.stats()))
 
-    @_handler
+    @rpc.handler
     def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotReply:
@@ -164,7 +232,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             ],
         )
 
-    @_handler
+    @rpc.handler
     def ReadEvents(
         self, request: pb.ReadEventsRequest, context: grpc.ServicerContext
     ) -> pb.ReadEventsReply:
@@ -176,56 +244,47 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             return pb.ReadEventsReply(gap_oldest=got.oldest)
         return pb.ReadEventsReply(batches=[wire.batch_to_pb(b) for b in got])
 
-    @_handler
+    @rpc.handler
     def LeaseForPeer(
         self, request: pb.LookupRequest, context: grpc.ServicerContext
     ) -> pb.LookupReply:
         ttl = request.lease_ttl_s if request.lease_ttl_s > 0 else None
-        result = self.store.lease_for_peer(request.ns_id, unpack_keys(request.keys), ttl)
+        result = self.store.lease_for_peer(
+            request.ns_id, unpack_keys(request.keys), ttl, session=request.session
+        )
         return pb.LookupReply(
             hits=wire.locations_to_pb(result.hits),
             stop=wire.LOOKUP_STATUS[result.stop],
             lease_id=result.lease_id,
         )
 
-    @_handler
+    @rpc.handler
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchReply:
+        self.tenants.check(request.ns_id)
         timeout = request.timeout_s if request.timeout_s > 0 else None
         result = self.store.fetch(request.ns_id, unpack_keys(request.keys), request.holder, timeout)
         return wire.fetch_to_pb(result)
 
-    def Subscribe(
-        self, request: pb.SubscribeRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.SubscribeReply]:
-        seq = max(1, request.from_seq)
-        while context.is_active():
-            try:
-                got = self.store.read_events(seq, timeout=0.5)
-            except KvtierError:
-                return  # store shutting down: end the stream
-            if isinstance(got, EventGap):
-                yield pb.SubscribeReply(gap_oldest=got.oldest)
-                return
-            for batch in got:
-                yield pb.SubscribeReply(batch=wire.batch_to_pb(batch))
-                seq = batch.seq + 1
-
 
 def start_grpc_server(
-    store: StoreClient, host: str, port: int, workers: int = 16
+    store: StoreClient,
+    host: str,
+    port: int,
+    workers: int = 16,
+    security: rpc.ServerSecurity | None = None,
+    unix_socket: Path | None = None,
+    max_message_bytes: int = rpc.MESSAGE_LIMIT,
 ) -> tuple[grpc.Server, int]:
-    """Serve ``store`` on host:port (port 0 picks a free one). Returns (server, bound port)."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-grpc"),
-        options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.so_reuseport", 0),
-        ],
+    """Serve ``store`` on host:port (port 0 picks a free one) and ``unix_socket``. Returns
+    (server, bound port). ``security``: who may call what (``STORE_PERMISSIONS``)."""
+    servicer = StoreServicer(store)
+    return rpc.start_server(
+        [(store_pb2_grpc.add_StoreServicer_to_server, servicer)],
+        host,
+        port,
+        workers,
+        "kvtier-grpc",
+        security=security,
+        unix_socket=unix_socket,
+        max_message_bytes=max_message_bytes,
     )
-    store_pb2_grpc.add_StoreServicer_to_server(StoreServicer(store), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise KvtierError(ErrorCode.UNAVAILABLE, f"cannot listen on {host}:{port}")
-    server.start()
-    return server, bound

@@ -5,6 +5,11 @@ between allocate and commit. Both expire. An expired read lease unpins its chunk
 then be evicted, so the holder must treat its copy as invalid: ``release`` says so); an
 expired write lease frees what was never committed.
 
+A lease may belong to a client session (``kvtier.store.sessions``): it then also ends with
+the session (``pop_session``), which is how a killed client's pins go within seconds. Its
+``deadline`` caps its whole life, renewals included (``store.max_lease_lifetime_s``), so no
+client can pin chunks forever by renewing.
+
 Not thread-safe: the store calls it under its lock.
 """
 
@@ -12,23 +17,18 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvtier.store.types import ChunkEntry
+    from kvtier.store.entries import ChunkEntry
 
 
 class LeaseKind(enum.StrEnum):
     READ = "read"
     WRITE = "write"
-
-
-class LeaseStatus(enum.StrEnum):
-    OK = "ok"  # released in time: everything read under it was stable
-    EXPIRED = "expired"  # reaped before release: a copy made under it may be torn
-    UNKNOWN = "unknown"  # never issued by this store incarnation (or released twice)
 
 
 @dataclass(slots=True)
@@ -37,6 +37,8 @@ class Lease:
     kind: LeaseKind
     entries: list[ChunkEntry]
     expires: float
+    session: int = 0  # the client session it ends with (0: none, TTL only)
+    deadline: float = math.inf  # it never lives past this, however renewed
 
 
 @dataclass
@@ -46,6 +48,7 @@ class LeaseTable:
     # Ids of leases reaped recently, so a late release can be told EXPIRED, not UNKNOWN.
     _expired: dict[int, None] = field(default_factory=dict)
     _expired_keep: int = 65536
+    _by_session: dict[int, set[int]] = field(default_factory=dict)  # session -> lease ids
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -53,14 +56,41 @@ class LeaseTable:
     def count(self, kind: LeaseKind) -> int:
         return sum(1 for lease in self._leases.values() if lease.kind is kind)
 
-    def create(self, kind: LeaseKind, entries: list[ChunkEntry], expires: float) -> Lease:
+    def create(
+        self,
+        kind: LeaseKind,
+        entries: list[ChunkEntry],
+        expires: float,
+        session: int = 0,
+        deadline: float = math.inf,
+    ) -> Lease:
         lease_id = secrets.randbits(63) or 1
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
-        lease = Lease(lease_id, kind, entries, expires)
+        expires = min(expires, deadline)
+        lease = Lease(lease_id, kind, entries, expires, 0, deadline)
         self._leases[lease_id] = lease
         heapq.heappush(self._expiry_heap, (expires, lease_id))
+        self.bind(lease, session)
         return lease
+
+    def bind(self, lease: Lease, session: int) -> None:
+        """Make ``lease`` end with ``session`` too (0: no session)."""
+        if session and not lease.session:
+            lease.session = session
+            self._by_session.setdefault(session, set()).add(lease.id)
+
+    def pop_session(self, session: int) -> list[Lease]:
+        """Remove and return every lease of ``session`` (it ended). A late release of one is
+        then told EXPIRED: what it guarded may have changed."""
+        out = []
+        for lease_id in self._by_session.pop(session, ()):
+            lease = self._leases.pop(lease_id, None)
+            if lease is not None:
+                self._expired[lease_id] = None
+                out.append(lease)
+        self._trim_expired()
+        return out
 
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
@@ -69,11 +99,14 @@ class LeaseTable:
         return lease_id in self._expired
 
     def pop(self, lease_id: int) -> Lease | None:
-        return self._leases.pop(lease_id, None)
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._unbind(lease)
+        return lease
 
     def renew(self, lease: Lease, expires: float) -> None:
-        lease.expires = expires
-        heapq.heappush(self._expiry_heap, (expires, lease.id))
+        lease.expires = min(expires, lease.deadline)
+        heapq.heappush(self._expiry_heap, (lease.expires, lease.id))
 
     def pop_expired(self, now: float) -> list[Lease]:
         """Remove and return every lease whose expiry has passed."""
@@ -85,11 +118,23 @@ class LeaseTable:
             if lease is None or lease.expires != expires:
                 continue  # released, or renewed (a newer heap entry exists)
             del self._leases[lease_id]
+            self._unbind(lease)
             self._expired[lease_id] = None
             out.append(lease)
+        self._trim_expired()
+        return out
+
+    def _unbind(self, lease: Lease) -> None:
+        if lease.session:
+            ids = self._by_session.get(lease.session)
+            if ids is not None:
+                ids.discard(lease.id)
+                if not ids:
+                    del self._by_session[lease.session]
+
+    def _trim_expired(self) -> None:
         while len(self._expired) > self._expired_keep:
             del self._expired[next(iter(self._expired))]
-        return out
 
     def all(self) -> list[Lease]:
         return list(self._leases.values())
@@ -97,3 +142,4 @@ class LeaseTable:
     def clear(self) -> None:
         self._leases.clear()
         self._expiry_heap.clear()
+        self._by_session.clear()

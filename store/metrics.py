@@ -21,10 +21,9 @@ from prometheus_client.registry import Collector
 
 from kvtier.keys import Namespace
 from kvtier.store.api import StoreClient, StoreInfo
-from kvtier.store.events import EventBatch, EventGap
-from kvtier.store.leases import LeaseStatus
-from kvtier.store.types import AllocateResult, LookupResult, Snapshot
-from kvtier.tiers.remote.types import FetchResult, FetchStatus
+from kvtier.store.api.events import EventBatch, EventGap
+from kvtier.store.api.remote import FetchResult, FetchStatus
+from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
 
 # Seconds; control-plane ops run from tens of microseconds to a few milliseconds.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
@@ -76,9 +75,16 @@ class MeteredStore(StoreClient):
         )
 
     def lookup(
-        self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None = None
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease_ttl_s: float | None = None,
+        *,
+        session: int = 0,
     ) -> LookupResult:
-        return self._timed("lookup", self.inner.lookup, ns_id, keys, lease_ttl_s)
+        return self._timed(
+            "lookup", lambda: self.inner.lookup(ns_id, keys, lease_ttl_s, session=session)
+        )
 
     def allocate(
         self,
@@ -86,8 +92,12 @@ class MeteredStore(StoreClient):
         keys: Sequence[bytes],
         sizes: Sequence[int],
         ttl_s: float | None = None,
+        *,
+        session: int = 0,
     ) -> AllocateResult:
-        return self._timed("allocate", self.inner.allocate, ns_id, keys, sizes, ttl_s)
+        return self._timed(
+            "allocate", lambda: self.inner.allocate(ns_id, keys, sizes, ttl_s, session=session)
+        )
 
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
         return self._timed("commit", self.inner.commit, lease_id, keys, checksums)
@@ -100,6 +110,15 @@ class MeteredStore(StoreClient):
 
     def renew(self, lease_id: int, ttl_s: float | None = None) -> float:
         return self._timed("renew", self.inner.renew, lease_id, ttl_s)
+
+    def open_session(self) -> int:
+        return self._timed("open_session", self.inner.open_session)
+
+    def heartbeat(self, session: int) -> bool:
+        return self._timed("heartbeat", self.inner.heartbeat, session)
+
+    def close_session(self, session: int) -> int:
+        return self._timed("close_session", self.inner.close_session, session)
 
     def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
         return self._timed("delete", self.inner.delete, ns_id, keys)
@@ -124,9 +143,12 @@ class MeteredStore(StoreClient):
         keys: Sequence[bytes],
         lease_ttl_s: float | None = None,
         timeout_s: float | None = None,
+        *,
+        session: int = 0,
     ) -> LookupResult:
         return self._timed(
-            "lease_for_peer", self.inner.lease_for_peer, ns_id, keys, lease_ttl_s, timeout_s
+            "lease_for_peer",
+            lambda: self.inner.lease_for_peer(ns_id, keys, lease_ttl_s, timeout_s, session=session),
         )
 
     def fetch(
@@ -155,6 +177,7 @@ _GAUGES = {
     "namespaces": "Registered namespaces",
     "read_leases": "Outstanding read leases",
     "write_leases": "Outstanding write leases",
+    "sessions": "Open client sessions",
     "event_seq": "Sequence number of the newest event batch",
 }
 _COUNTERS = {
@@ -168,6 +191,19 @@ _COUNTERS = {
     "expired_read": "Read leases that expired before release",
     "expired_write": "Write leases that expired before commit",
     "quarantined": "Chunks whose pages were quarantined after a failed remote transfer",
+    "quota_evictions": "Chunks a tenant at its quota evicted of its own to make room",
+    "quota_no_space": "Chunks not stored: their tenant was at its quota",
+    "sessions_opened": "Client sessions opened",
+    "sessions_closed": "Client sessions closed by their client",
+    "sessions_expired": "Client sessions ended for want of a heartbeat (the client died)",
+    "session_released_read": "Read leases ended with their session (chunks unpinned)",
+    "session_released_write": "Write leases ended with their session (allocations aborted)",
+}
+# Per tenant, by name (unlisted tenants summed as "other"; never a salt or its digest).
+_TENANT_GAUGES = {
+    "tenant_used_bytes": "Bytes a tenant holds (committed or being written)",
+    "tenant_quota_bytes": "Most bytes a tenant may hold",
+    "tenant_floor_bytes": "Bytes of a tenant no other tenant's allocation may evict",
 }
 # Present when the remote tier is enabled.
 _REMOTE_GAUGES = {
@@ -204,6 +240,12 @@ class StoreCollector(Collector):
         chunks.add_metric(["cpu", "hit"], stats["hit_chunks"])
         chunks.add_metric(["cpu", "miss"], stats["miss_chunks"])
         yield chunks
+        for name, doc in _TENANT_GAUGES.items():
+            family = GaugeMetricFamily(f"kvtier_store_{name}", doc, labels=["tenant"])
+            for key, value in stats.items():
+                if key.startswith(name + "."):
+                    family.add_metric([key[len(name) + 1 :]], value)
+            yield family
         if "remote_fetches" not in stats:
             return
         for name, doc in _REMOTE_GAUGES.items():

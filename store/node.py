@@ -11,6 +11,16 @@ pulls chunks from a peer (``kvtier.tiers.remote``).
 Crash hygiene: each store holds an exclusive ``flock`` on a lock file in ``store.run_dir``
 naming its segment. The kernel drops the lock when the process dies, so the next store to
 start on the node finds unlocked lock files, unlinks the segments they name and removes them.
+Lock files are instructions to delete files, so they are trusted only from a private place:
+``run_dir`` must be owned by the store's uid and writable by nobody else (made 0700, else the
+store refuses to start), only regular files owned by that uid (never symlinks) are read, and
+only a /dev/shm file that is named exactly as this lock file's store names its segments
+(``kvtier-<identity>-<16 hex>``) and owned by the store's uid is ever unlinked. A planted lock
+file naming ``/dev/shm/victim`` or ``../x`` is logged and ignored.
+
+Sessions: clients may open sessions (``open_session``) and create leases under them; the
+reaper thread ends a session without heartbeat for ``store.session_timeout_s`` together with
+its leases (``kvtier.store.sessions``).
 """
 
 from __future__ import annotations
@@ -21,10 +31,10 @@ import logging
 import os
 import re
 import secrets
+import stat
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,49 +43,43 @@ from kvtier import __version__
 from kvtier.config import StoreConfig
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.keys import Namespace
+from kvtier.rpc import ClientAuth
 from kvtier.store.api import StoreClient, StoreInfo
+from kvtier.store.api.events import EventBatch, EventGap
+from kvtier.store.api.remote import FetchResult
+from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
+from kvtier.store.client.shm import SHM_DIR, SharedSegment, checksum_views
 from kvtier.store.core import StoreCore
-from kvtier.store.events import EventBatch, EventGap
-from kvtier.store.leases import LeaseStatus
-from kvtier.store.types import AllocateResult, LookupResult, Snapshot
-from kvtier.tiers.cpu.shm import SHM_DIR, SharedSegment, remove_segment
-from kvtier.tiers.cpu.tier import checksum_views
-from kvtier.tiers.remote.types import FetchResult
+from kvtier.store.limits import StoreLimits
 
 if TYPE_CHECKING:
-    from kvtier.tiers.remote.tier import RemoteTier
+    from kvtier.store.remote.service import RemoteTier
 
 log = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
+SEGMENT_RE = re.compile(r"kvtier-([A-Za-z0-9_.-]+)-[0-9a-f]{16}")  # what a store names its pool
 
 
 class NodeStore(StoreClient):
     """The store itself. Thread-safe; ``close()`` releases the shared memory."""
 
-    def __init__(self, config: StoreConfig, instance: str | None = None) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        instance: str | None = None,
+        peer_auth: ClientAuth | None = None,
+    ) -> None:
         """``instance`` names this store among others on the node (default: the gRPC port for
-        a served store, the pid for an embedded one)."""
+        a served store, the pid for an embedded one). ``peer_auth``: what it presents to peer
+        stores (remote tier)."""
         self.config = config
         self.epoch = secrets.randbits(63) or 1
         instance = instance or f"pid{os.getpid()}"
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{config.node_id}-{instance}")
         self.segment_name = f"kvtier-{safe}-{self.epoch:016x}"
-        run_dir = Path(config.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        cleanup_stale_segments(run_dir)
-        self._lock_path = run_dir / f"{safe}{LOCK_SUFFIX}"
-        self._lock_fd = _acquire_lock(self._lock_path, self.segment_name)
         pool = config.pool
-        try:
-            self.segment = SharedSegment.create(
-                self.segment_name, int(pool.capacity), prefault=pool.prefault
-            )
-        except BaseException:
-            self._release_lock()
-            raise
-        self._watchdog = _start_watchdog([SHM_DIR / self.segment_name, self._lock_path])
-        self.core = StoreCore(
+        self.core = StoreCore(  # first: a bad limit (tenants) fails before anything exists
             node_id=config.node_id,
             epoch=self.epoch,
             capacity_bytes=int(pool.capacity),
@@ -85,13 +89,28 @@ class NodeStore(StoreClient):
             write_ttl_s=config.write_ttl_s,
             max_lease_ttl_s=config.max_lease_ttl_s,
             event_buffer=config.event_buffer,
+            limits=StoreLimits.from_config(config),
         )
+        run_dir = prepare_run_dir(Path(config.run_dir))
+        cleanup_stale_segments(run_dir)
+        self._lock_path = run_dir / f"{safe}{LOCK_SUFFIX}"
+        self._lock_fd = _acquire_lock(self._lock_path, self.segment_name)
+        try:
+            self.segment = SharedSegment.create(
+                self.segment_name, int(pool.capacity), prefault=pool.prefault
+            )
+        except BaseException:
+            self._release_lock()
+            raise
+        self._watchdog = _start_watchdog([SHM_DIR / self.segment_name, self._lock_path])
         self.remote: RemoteTier | None = None
         if config.remote.enabled:
-            from kvtier.tiers.remote.tier import RemoteTier
+            from kvtier.store.remote.service import RemoteTier
 
             try:
-                self.remote = RemoteTier(self.core, self.segment, config.remote)
+                self.remote = RemoteTier(
+                    self.core, self.segment, config.remote, peer_auth=peer_auth
+                )
             except BaseException:
                 self.segment.close()
                 self.segment.unlink()
@@ -126,15 +145,25 @@ class NodeStore(StoreClient):
             version=__version__,
             transfer_address=self.transfer_address,
             transfer_base=self.remote.base_address if self.remote else 0,
+            lease_ttl_s=self.config.lease_ttl_s,
+            session_timeout_s=self.config.session_timeout_s,
         )
+
+    def local_segment(self) -> SharedSegment:
+        return self.segment
 
     def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
         return self.core.register_namespace(namespace, chunk_bytes)
 
     def lookup(
-        self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None = None
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease_ttl_s: float | None = None,
+        *,
+        session: int = 0,
     ) -> LookupResult:
-        return self.core.lookup(ns_id, keys, lease_ttl_s)
+        return self.core.lookup(ns_id, keys, lease_ttl_s, session=session)
 
     def allocate(
         self,
@@ -142,8 +171,10 @@ class NodeStore(StoreClient):
         keys: Sequence[bytes],
         sizes: Sequence[int],
         ttl_s: float | None = None,
+        *,
+        session: int = 0,
     ) -> AllocateResult:
-        return self.core.allocate(ns_id, keys, sizes, ttl_s)
+        return self.core.allocate(ns_id, keys, sizes, ttl_s, session=session)
 
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
         committed = self.core.commit(lease_id, keys, checksums)
@@ -159,6 +190,15 @@ class NodeStore(StoreClient):
 
     def renew(self, lease_id: int, ttl_s: float | None = None) -> float:
         return self.core.renew(lease_id, ttl_s)
+
+    def open_session(self) -> int:
+        return self.core.open_session()
+
+    def heartbeat(self, session: int) -> bool:
+        return self.core.heartbeat(session)
+
+    def close_session(self, session: int) -> int:
+        return self.core.close_session(session)
 
     def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
         return self.core.delete(ns_id, keys)
@@ -190,8 +230,19 @@ class NodeStore(StoreClient):
         keys: Sequence[bytes],
         lease_ttl_s: float | None = None,
         timeout_s: float | None = None,
+        *,
+        session: int = 0,
     ) -> LookupResult:
-        return self._remote_tier().lease_for_peer(ns_id, keys, lease_ttl_s)
+        self.core.limits.check_batch(len(keys))
+        remote = self._remote_tier()
+        if session and not self.core.heartbeat(session):  # refuse before pinning anything
+            raise KvtierError(
+                ErrorCode.UNKNOWN_SESSION, f"session {session:x} is not open: open a new one"
+            )
+        result = remote.lease_for_peer(ns_id, keys, lease_ttl_s)
+        if result.lease_id:
+            self.core.bind_session(result.lease_id, session)  # ends the lease if it just closed
+        return result
 
     def fetch(
         self,
@@ -200,6 +251,7 @@ class NodeStore(StoreClient):
         holder: str,
         timeout_s: float | None = None,
     ) -> FetchResult:
+        self.core.limits.check_batch(len(keys))
         return self._remote_tier().fetch(ns_id, keys, holder, timeout_s)
 
     def start_remote(self, grpc_address: str) -> None:
@@ -219,7 +271,12 @@ class NodeStore(StoreClient):
     # -- lifetime ----------------------------------------------------------------------------
 
     def _reap_loop(self) -> None:
-        period = max(0.05, min(1.0, self.config.lease_ttl_s / 4, self.config.write_ttl_s / 4))
+        config = self.config
+        # Often enough that a dead client's session (and its pins) ends within ~1.25 timeouts.
+        period = max(
+            0.05,
+            min(1.0, config.lease_ttl_s / 4, config.write_ttl_s / 4, config.session_timeout_s / 4),
+        )
         while not self._closed.wait(period):
             self.core.reap()
 
@@ -240,14 +297,6 @@ class NodeStore(StoreClient):
                     except ValueError:  # segment unmapped under us: shutting down
                         done.append((entry, 0))
                 self.core.finish_checksums(done)
-
-    def wait_checksums(self, timeout: float = 10.0) -> bool:
-        """Block until every committed chunk has its checksum (tests, benchmarks)."""
-        deadline = time.monotonic() + timeout
-        while self.core.unsummed_count() and time.monotonic() < deadline:
-            self._checksum_wake.set()
-            time.sleep(0.005)
-        return not self.core.unsummed_count()
 
     @property
     def closed(self) -> bool:
@@ -313,40 +362,96 @@ def _stop_watchdog(watchdog: subprocess.Popen | None) -> None:
         watchdog.wait(5)
 
 
+def prepare_run_dir(run_dir: Path) -> Path:
+    """Create ``run_dir`` (mode 0700), or check that the existing one is private: a directory
+    owned by this uid that neither group nor others may write. Its lock files tell a starting
+    store which /dev/shm files to delete, so anyone who can write there could aim that at
+    files of ours; refused with a clear error instead."""
+    try:
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(run_dir)
+    except OSError as exc:
+        raise KvtierError(
+            ErrorCode.INVALID_ARGUMENT, f"store.run_dir {run_dir}: cannot create it ({exc})"
+        ) from None
+    uid = os.geteuid()
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != uid:
+        problem = f"is owned by uid {st.st_uid}, not this store's uid {uid}"
+    elif st.st_mode & 0o022:
+        problem = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    else:
+        return run_dir
+    raise KvtierError(
+        ErrorCode.INVALID_ARGUMENT,
+        f"store.run_dir {run_dir} {problem}: it holds the lock files that tell the store which "
+        "shared-memory segments to delete, so it must be private to the store's user "
+        f"(chmod 700 it, or set store.run_dir to a directory of uid {uid})",
+    )
+
+
 def _acquire_lock(path: Path, segment_name: str) -> int:
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:  # never through a symlink: O_CREAT would create or truncate its target
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise KvtierError(
+            ErrorCode.INVALID_ARGUMENT, f"cannot open lock file {path}: {exc.strerror}"
+        ) from None
+    if not _owned_regular_file(os.fstat(fd)):
+        os.close(fd)
+        raise KvtierError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"lock file {path} is not a regular file owned by uid {os.geteuid()}: remove it",
+        )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
-        holder = path.read_text().strip() or "?"
         raise KvtierError(
             ErrorCode.INVALID_ARGUMENT,
-            f"another store with this identity is running (lock {path} held, segment {holder})",
+            f"another store with this identity is running (lock {path} held, segment "
+            f"{holder[:120]})",
         ) from None
     previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
     if previous:  # our own identity crashed earlier and nobody cleaned up yet
-        remove_segment(previous)
+        _remove_own_segment(previous, _identity(path))
     os.ftruncate(fd, 0)
     os.pwrite(fd, segment_name.encode(), 0)
     return fd
 
 
 def cleanup_stale_segments(run_dir: Path) -> list[str]:
-    """Remove segments of stores on this node that died without closing. Returns their names."""
+    """Remove segments of stores on this node that died without closing. Returns their names.
+
+    Trusts only lock files that are regular files of this uid (never a symlink), and unlinks
+    only a /dev/shm file of this uid named as that lock file's store names its segments; any
+    other lock file is logged and left alone."""
     removed = []
+    uid = os.geteuid()
     for lock_path in run_dir.glob(f"*{LOCK_SUFFIX}"):
         try:
-            fd = os.open(lock_path, os.O_RDWR)
+            before = os.lstat(lock_path)
+            if not _owned_regular_file(before):  # a symlink, a fifo, someone else's file
+                log.warning("ignored lock file %s: not a regular file of uid %d", lock_path, uid)
+                continue
+            fd = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             continue
+        except OSError as exc:
+            log.warning("ignored lock file %s: %s", lock_path, exc.strerror)
+            continue
         try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+                continue  # replaced between the check and the open: look again next start
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # its store is alive
             name = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-            if name and remove_segment(name):
+            if name and _remove_own_segment(name, _identity(lock_path)):
                 removed.append(name)
                 log.warning("removed pool segment %s left by a crashed store", name)
             with contextlib.suppress(FileNotFoundError):
@@ -354,3 +459,36 @@ def cleanup_stale_segments(run_dir: Path) -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+def _identity(lock_path: Path) -> str:
+    return lock_path.name[: -len(LOCK_SUFFIX)]
+
+
+def _owned_regular_file(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _remove_own_segment(name: str, identity: str) -> bool:
+    """Unlink /dev/shm/``name`` if it is a pool segment of the store ``identity`` (its lock
+    file's name): named ``kvtier-<identity>-<16 hex>``, a regular file, of this uid. True if
+    one was removed. Anything else a lock file names is logged and kept."""
+    match = SEGMENT_RE.fullmatch(name)
+    if match is None or match.group(1) != identity:
+        log.warning(
+            "lock file of store %s names %r, not one of its pool segments: ignored",
+            identity,
+            name[:120],
+        )
+        return False
+    path = SHM_DIR / name
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not _owned_regular_file(st):
+        log.warning("kept %s: not a regular file of uid %d", path, os.geteuid())
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return True

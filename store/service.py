@@ -1,7 +1,7 @@
 """``kvtier store serve``: one process per node owning the pool, serving gRPC and HTTP.
 
-Also ``connect()``, which every client uses: a ``CpuTier`` on the store at
-``store.address``, or on an embedded in-process store when no address is configured.
+Clients connect with ``kvtier.store.client.connect`` (the control API) or
+``kvtier.tiers.connect`` (the pool as a tier); ``connect`` here is a deprecated alias.
 """
 
 from __future__ import annotations
@@ -12,33 +12,37 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
-from kvtier.config import KvtierConfig, StoreConfig
-from kvtier.index.announce import Announcer
+from kvtier import rpc
+from kvtier.auth import Authenticator, check_exposure
+from kvtier.config import AuthConfig, KvtierConfig, StoreConfig
+from kvtier.http import HttpGuard, HttpServer
 from kvtier.index.api import LocationKind, Registration
-from kvtier.store.grpc_client import GrpcStoreClient
-from kvtier.store.grpc_server import start_grpc_server
-from kvtier.store.http import HttpServer, build_app
+from kvtier.index.client.announce import Announcer
+from kvtier.keys import salt_digest
+from kvtier.store.grpc_server import STORE_PERMISSIONS, start_grpc_server
+from kvtier.store.http import build_app
 from kvtier.store.metrics import build_registry
 from kvtier.store.node import NodeStore
-from kvtier.tiers.cpu.tier import CpuTier
 
 log = logging.getLogger(__name__)
 
 
-def connect(
-    config: StoreConfig, timeout_s: float = 10.0, max_namespaces: int = 4096, lazy: bool = False
-) -> CpuTier:
-    """The CPU tier of this node: the configured store, or an embedded one. ``timeout_s``
-    bounds each control call to a served store; ``lazy`` tolerates one not up yet."""
-    if config.address:
-        client = GrpcStoreClient(config.address, timeout_s, lazy=lazy)
-        return CpuTier(client, max_namespaces=max_namespaces)
-    node = NodeStore(config)
-    return CpuTier(node, segment=node.segment, max_namespaces=max_namespaces)
+def connect(config: StoreConfig, *args: Any, **kwargs: Any) -> Any:
+    """Deprecated: ``kvtier.tiers.connect`` (the store package no longer builds tiers)."""
+    warnings.warn(
+        "kvtier.store.service.connect is deprecated: use kvtier.tiers.connect",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    from kvtier.tiers import connect as connect_tier  # the one upward import: this alias
+
+    return connect_tier(config, *args, **kwargs)
 
 
 @dataclass
@@ -53,20 +57,51 @@ class StoreService:
     announcer: Announcer | None = None
 
     @classmethod
-    def start(cls, config: StoreConfig) -> StoreService:
+    def start(
+        cls,
+        config: StoreConfig,
+        index_address: str | None = None,
+        auth: AuthConfig | None = None,
+    ) -> StoreService:
+        """``index_address``: announce this store there (the index then follows its events).
+        ``auth``: who may call it, and what it presents to the index and its peers."""
+        auth = auth or AuthConfig()
+        check_exposure("kvtier store", [config.grpc_host, config.http_host], auth)
+        tenant_salts = {
+            t.name: [salt_digest(s.get_secret_value()) for s in t.cache_salts]
+            for t in config.tenants
+        }
+        authenticator = Authenticator(auth, tenant_salts)
+        security = rpc.ServerSecurity(
+            authenticator, STORE_PERMISSIONS, auth.tls if auth.tls.enabled else None
+        )
+        client_auth = rpc.ClientAuth.from_config(auth)
         # Port 0 (pick a free one) is not an identity; the pid is.
         instance = f"port{config.grpc_port}" if config.grpc_port else f"pid{os.getpid()}"
-        node = NodeStore(config, instance=instance)
+        node = NodeStore(config, instance=instance, peer_auth=client_auth)
         try:
             metered, registry = build_registry(node)
             server, grpc_port = start_grpc_server(
-                metered, config.grpc_host, config.grpc_port, config.grpc_workers
+                metered,
+                config.grpc_host,
+                config.grpc_port,
+                config.grpc_workers,
+                security=security,
+                unix_socket=config.unix_socket,
+                max_message_bytes=int(config.max_message_bytes),
             )
             ready = threading.Event()
             http = HttpServer(
-                build_app(metered, registry, lambda: ready.is_set() and not node.closed),
+                build_app(
+                    metered,
+                    registry,
+                    lambda: ready.is_set() and not node.closed,
+                    HttpGuard(authenticator),
+                    auth.metrics_public,
+                ),
                 config.http_host,
                 config.http_port,
+                tls=security.tls,
             )
             http_port = http.start()
         except BaseException:
@@ -78,17 +113,19 @@ class StoreService:
             grpc_address = f"{config.remote.hostname}:{grpc_port}"  # what peers can reach
         node.start_remote(grpc_address)
         announcer = None
-        if config.index_address:  # then the index follows this store without being told
+        index_address = index_address or config.index_address
+        if index_address:  # then the index follows this store without being told
             announcer = Announcer(
-                config.index_address,
+                index_address,
                 Registration(config.node_id, LocationKind.NODE, endpoints={"store": grpc_address}),
+                auth=client_auth,
             )
         return cls(node, server, http, grpc_address, f"{config.http_host}:{http_port}", announcer)
 
     def stop(self, grace_s: float = 2.0) -> None:
         if self.announcer is not None:
             self.announcer.stop()
-        self.node.core.events.close()  # end Subscribe streams so the grace period is short
+        self.node.core.events.close()  # end ReadEvents long-polls so the grace period is short
         self.grpc_server.stop(grace_s).wait()
         self.http.stop()
         self.node.close()
@@ -96,7 +133,7 @@ class StoreService:
 
 def serve(config: KvtierConfig) -> None:
     """Run a store until SIGINT/SIGTERM. Prints one JSON 'ready' line on stdout."""
-    service = StoreService.start(config.store)
+    service = StoreService.start(config.store, config.index.address, config.auth)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -108,6 +145,7 @@ def serve(config: KvtierConfig) -> None:
                 "node_id": info.node_id,
                 "epoch": f"{info.epoch:016x}",
                 "grpc": service.grpc_address,
+                "unix": f"unix:{config.store.unix_socket}" if config.store.unix_socket else None,
                 "http": service.http_address,
                 "segment": info.segment_name,
                 "capacity_bytes": info.segment_size,

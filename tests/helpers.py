@@ -6,39 +6,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from kvtier.bench.services import Service, _start, start_store
 
-@dataclass
-class StoreProcess:
-    proc: subprocess.Popen
-    ready: dict
-
-    @property
-    def address(self) -> str:
-        return self.ready["grpc"]
-
-    @property
-    def http(self) -> str:
-        return f"http://{self.ready['http']}"
-
-    @property
-    def segment(self) -> str:
-        return self.ready["segment"]
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+StoreProcess = Service  # a store process, as the tests call it
 
 
 def start_store_process(
@@ -50,32 +25,9 @@ def start_store_process(
     wrapper: tuple[str, ...] = (),
 ) -> StoreProcess:
     """``wrapper``: a command prefix, e.g. ``("ip", "netns", "exec", "ns1")``."""
-    cmd = [
-        *wrapper,
-        sys.executable,
-        "-m",
-        "kvtier",
-        "store",
-        "serve",
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--capacity",
-        capacity,
-        "--run-dir",
-        str(run_dir),
-        "--node-id",
-        node_id,
-        *extra,
-    ]
-    env = dict(os.environ, KVTIER_LOG_LEVEL="warning", **(env or {}))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"store exited with {proc.wait()} before becoming ready")
-    return StoreProcess(proc, json.loads(line))
+    return start_store(
+        run_dir, capacity, node_id, remote=False, env=env, extra=extra, wrapper=wrapper
+    )
 
 
 def chunk_bytes(seed: int, size: int) -> np.ndarray:
@@ -89,7 +41,7 @@ def child_put(address: str, ns_json: str, chunk_size: int, n: int, seed: int) ->
     """Put n chunks (seeded content) through the store at address; returns their keys (hex)."""
     from kvtier.config import StoreConfig
     from kvtier.keys import Namespace, prompt_keys
-    from kvtier.store.service import connect
+    from kvtier.tiers import connect
 
     ns = Namespace.model_validate_json(ns_json)
     tokens = np.arange(seed * 100_000, seed * 100_000 + n * ns.chunk_tokens, dtype=np.uint32)
@@ -103,7 +55,7 @@ def child_put(address: str, ns_json: str, chunk_size: int, n: int, seed: int) ->
 def child_get(address: str, ns_json: str, chunk_size: int, keys_hex: list[str]) -> list[bytes]:
     from kvtier.config import StoreConfig
     from kvtier.keys import Namespace
-    from kvtier.store.service import connect
+    from kvtier.tiers import connect
 
     ns = Namespace.model_validate_json(ns_json)
     with connect(StoreConfig(address=address)) as tier:
@@ -117,7 +69,7 @@ def child_lease_and_die(
     """Take a read lease and die without releasing it (SIGKILL to itself)."""
     from kvtier.config import StoreConfig
     from kvtier.keys import Namespace
-    from kvtier.store.service import connect
+    from kvtier.tiers import connect
 
     ns = Namespace.model_validate_json(ns_json)
     tier = connect(StoreConfig(address=address))
@@ -214,41 +166,12 @@ def start_redis(workdir: Path, port: int | None = None, timeout: float = 10.0) -
 # -- index -------------------------------------------------------------------------------------
 
 
-@dataclass
-class IndexProcess:
-    proc: subprocess.Popen
-    ready: dict
-
-    @property
-    def address(self) -> str:
-        return self.ready["grpc"]
-
-    @property
-    def http(self) -> str:
-        return f"http://{self.ready['http']}"
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+IndexProcess = Service  # a `kvtier index serve` process and its ready line
 
 
-def start_index_process(*extra: str, env: dict | None = None) -> IndexProcess:
+def start_index_process(*extra: str, env: dict | None = None) -> Service:
     """``kvtier index serve`` on free ports; returns once it printed its ready line."""
-    cmd = [sys.executable, "-m", "kvtier", "index", "serve", "--grpc-port", "0",
-           "--http-port", "0", *extra]  # fmt: skip
-    env = dict(os.environ, KVTIER_LOG_LEVEL="warning", **(env or {}))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"index exited with {proc.wait()} before becoming ready")
-    return IndexProcess(proc, json.loads(line))
+    return _start(["index", "serve", "--grpc-port", "0", "--http-port", "0", *extra], env)
 
 
 def http_json(url: str, body: object | None = None) -> tuple[int, object]:

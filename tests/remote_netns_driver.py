@@ -9,9 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.config import load_config
 from kvtier.keys import Namespace, prompt_keys
-from kvtier.store.grpc_client import GrpcStoreClient
-from kvtier.tiers.cpu.tier import CpuTier
+from kvtier.rpc import ClientAuth
+from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.tiers.cpu import CpuTier
+
+# the stores listen on the veth addresses, so they demand a credential: KVTIER_AUTH__TOKEN
+AUTH = ClientAuth.from_config(load_config().auth)
 
 
 def rx_bytes(interface: str) -> int:
@@ -22,11 +27,11 @@ def main(holder: str, puller: str, interface: str, n: int, size: int) -> None:
     ns = Namespace(model="netns", dtype="u8", num_layers=1, num_kv_heads=1, head_size=size)
     keys = prompt_keys(ns, np.arange(n * ns.chunk_tokens, dtype=np.uint32))
     chunks = [np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i in range(n)]
-    with CpuTier(GrpcStoreClient(holder)) as tier:
+    with CpuTier(GrpcStoreClient(holder, auth=AUTH)) as tier:
         ns_id = tier.register_namespace(ns, size)
         tier.put(ns_id, keys, chunks)
     before = rx_bytes(interface)
-    with CpuTier(GrpcStoreClient(puller)) as tier:
+    with CpuTier(GrpcStoreClient(puller, auth=AUTH)) as tier:
         tier.register_namespace(ns, size)
         result = tier.store.fetch(ns_id, keys, holder)
         got = tier.get(ns_id, keys[: result.local])

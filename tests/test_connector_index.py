@@ -12,9 +12,9 @@ from helpers import start_index_process
 from vllm_fixtures import make_tiny_llama, vllm_env
 
 from kvtier.bench.vllm_driver import kvtier_transfer_config, run_vllm
+from kvtier.chunks import Tier
 from kvtier.index.api import LocationKind, Query
-from kvtier.index.grpc_client import GrpcIndexClient
-from kvtier.tiers.base import Tier
+from kvtier.index.client.grpc import GrpcIndexClient
 
 pytestmark = pytest.mark.vllm
 

@@ -141,7 +141,7 @@ def test_holder_failures_end_in_recompute(
     elif fault == "stall":
         b.proc.send_signal(signal.SIGSTOP)
     else:
-        from kvtier.tiers.cpu.shm import SharedSegment
+        from kvtier.store.client.shm import SharedSegment
 
         segment = SharedSegment.attach(b.segment, 256 << 20)
         segment.array[:] ^= 0xFF  # every committed byte flipped: checksums cannot match

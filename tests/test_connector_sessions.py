@@ -11,11 +11,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvtier.config import StoreConfig
-from kvtier.connector.config import ConnectorConfig
+from kvtier.config_connector import ConnectorConfig
 from kvtier.connector.layout import KvGeometry, ModelIdentity
 from kvtier.connector.metadata import KvtierWorkerMetadata
 from kvtier.connector.scheduler import ConnectorScheduler
-from kvtier.store.service import connect
+from kvtier.tiers import Tiers, connect
 
 CHUNK = 64
 GEOMETRY = KvGeometry(
@@ -28,7 +28,7 @@ def _scheduler(store_config: StoreConfig) -> ConnectorScheduler:
     # verify_loads off: a lookup right after a commit would otherwise stop at chunks the
     # store has not checksummed yet (milliseconds later); these tests are about keys
     config = ConnectorConfig(chunk_tokens=CHUNK, min_hit_tokens={"cpu": CHUNK}, verify_loads=False)
-    scheduler = ConnectorScheduler(config, GEOMETRY, IDENTITY, connect(store_config), True)
+    scheduler = ConnectorScheduler(config, GEOMETRY, IDENTITY, Tiers(connect(store_config)))
     scheduler.block_ids_of = lambda req_id: list(range(64))
     return scheduler
 
@@ -77,7 +77,7 @@ def test_image_added_later_stops_lookups_and_saves(store_config: StoreConfig) ->
         assert _step(scheduler, request, 200, request.num_tokens - 200) == 0
     finally:
         scheduler.shutdown()
-        scheduler.tier.close()
+        scheduler.tiers.close()
 
 
 def test_text_session_saves_only_computed_tokens_and_keys_follow_them(
@@ -103,4 +103,4 @@ def test_text_session_saves_only_computed_tokens_and_keys_follow_them(
         assert tokens == 3 * CHUNK
     finally:
         scheduler.shutdown()
-        scheduler.tier.close()
+        scheduler.tiers.close()

@@ -20,7 +20,7 @@ from kvtier.connector.fingerprint import (
 from kvtier.connector.guard import HookGuard
 from kvtier.connector.streams import DeviceOrdering
 from kvtier.keys import Namespace
-from kvtier.store.service import connect
+from kvtier.tiers import connect
 
 
 def _safetensors(path: Path, payload: bytes) -> None:

@@ -12,6 +12,8 @@ from helpers import RedisServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.chunks import Tier
+from kvtier.config_index import IndexConfig
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.index.api import (
     ApplyStatus,
@@ -24,14 +26,12 @@ from kvtier.index.api import (
     Query,
     Registration,
 )
-from kvtier.index.config import IndexConfig
-from kvtier.index.grpc_client import GrpcIndexClient
+from kvtier.index.client.grpc import GrpcIndexClient
 from kvtier.index.memory import MemoryIndex
 from kvtier.index.redis_backend import RedisIndex
 from kvtier.index.service import IndexService
 from kvtier.keys import Namespace, prompt_keys
-from kvtier.store.events import EventKind
-from kvtier.tiers.base import Tier
+from kvtier.store.api.events import EventKind
 
 STORED, REMOVED, CLEARED = EventKind.STORED, EventKind.REMOVED, EventKind.CLEARED
 GPU, CPU, DISK = Tier.GPU, Tier.CPU, Tier.DISK

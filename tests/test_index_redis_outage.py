@@ -13,8 +13,8 @@ import pytest
 from helpers import RedisServer, free_port, http_json, start_redis
 from vllm_fixtures import FaultyPublisher, wait_for
 
+from kvtier.config_index import IndexConfig, VllmSource
 from kvtier.index.api import IndexHealth, Query
-from kvtier.index.config import IndexConfig, VllmSource
 from kvtier.index.service import IndexService
 from kvtier.index.vllm_wire import BlockStored
 from kvtier.keys import Namespace

@@ -11,14 +11,14 @@ import numpy as np
 from helpers import RedisServer, StoreProcess, start_store_process
 from vllm_fixtures import wait_for
 
+from kvtier.chunks import Tier
 from kvtier.config import StoreConfig
+from kvtier.config_index import IndexConfig, StoreSource
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.index.api import LocationKind, LocationStatus, Query
-from kvtier.index.config import IndexConfig, StoreSource
 from kvtier.index.service import EmbeddedIndex
 from kvtier.keys import Namespace, prompt_keys
-from kvtier.store.service import connect
-from kvtier.tiers.base import Tier
+from kvtier.tiers import connect
 
 CHUNK = 16 << 10
 NS = Namespace(

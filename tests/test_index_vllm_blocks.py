@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.chunks import Tier
 from kvtier.index.api import ChunkOp
 from kvtier.index.vllm_blocks import BlockMapper
 from kvtier.index.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.keys import Namespace, prompt_keys, salt_digest
-from kvtier.store.events import EventKind
-from kvtier.tiers.base import Tier
+from kvtier.store.api.events import EventKind
 
 
 def namespace(chunk_tokens: int = 16, **kw) -> Namespace:

@@ -21,12 +21,12 @@ from vllm.distributed.kv_events import (
 )
 from vllm_fixtures import FaultyPublisher, wait_for
 
+from kvtier.chunks import Tier
+from kvtier.config_index import IndexConfig, VllmSource
 from kvtier.index.api import LocationStatus, Query
-from kvtier.index.config import IndexConfig, VllmSource
 from kvtier.index.redis_backend import RedisIndex
 from kvtier.index.service import EmbeddedIndex
 from kvtier.keys import Namespace
-from kvtier.tiers.base import Tier
 
 BS = 16
 NS = Namespace(

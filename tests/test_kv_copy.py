@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from kvtier.connector.kv_copy import PagedKV, PoolView, block_runs
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import ChunkCopy
-from kvtier.tiers.cpu.shm import SharedSegment
+from kvtier.connector.worker import PagedKV, PoolView, block_runs
+from kvtier.store.client.shm import SharedSegment
 
 LAYERS = 3
 BLOCK_SIZE = 32

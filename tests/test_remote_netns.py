@@ -48,8 +48,18 @@ def veth_pair() -> Iterator[tuple[str, str]]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
+NODE_TOKEN = "node-token-" + "n" * 16
+
+
 def test_fetch_crosses_a_veth_pair(veth_pair, tmp_path: Path) -> None:
+    """Two stores in two network namespaces, each bound to its veth address: beyond loopback,
+    so with credentials (protected mode); each presents a node token to the other."""
     ns_a, ns_b = veth_pair
+    credentials = [{"name": "nodes", "token": NODE_TOKEN, "role": "node"}]
+    env = {
+        "KVTIER_AUTH__CREDENTIALS": json.dumps(credentials),
+        "KVTIER_AUTH__TOKEN": NODE_TOKEN,
+    }
     stores = []
     try:
         for ns, addr, name in ((ns_b, "10.77.0.2", "holder"), (ns_a, "10.77.0.1", "puller")):
@@ -63,6 +73,7 @@ def test_fetch_crosses_a_veth_pair(veth_pair, tmp_path: Path) -> None:
                     "--grpc-host",
                     addr,
                     node_id=name,
+                    env=env,
                     wrapper=("ip", "netns", "exec", ns),
                 )
             )
@@ -73,6 +84,7 @@ def test_fetch_crosses_a_veth_pair(veth_pair, tmp_path: Path) -> None:
         args = [holder.address, puller.address, f"{ns_a[:-1]}-va", str(n), str(size)]
         out = subprocess.run(
             ["ip", "netns", "exec", ns_a, *driver, *args],
+            env={**os.environ, **env},
             check=True,
             capture_output=True,
             text=True,

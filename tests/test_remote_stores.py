@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 from helpers import StoreProcess, start_store_process
 
+from kvtier.chunks import LookupStatus
 from kvtier.keys import Namespace, prompt_keys
-from kvtier.store.events import EventKind
-from kvtier.store.grpc_client import GrpcStoreClient
+from kvtier.store.api.events import EventKind
+from kvtier.store.api.remote import FetchStatus
+from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.store.client.shm import SharedSegment, checksum_views
 from kvtier.store.node import cleanup_stale_segments
-from kvtier.tiers.base import LookupStatus
-from kvtier.tiers.cpu.shm import SharedSegment
-from kvtier.tiers.cpu.tier import CpuTier, checksum_views
-from kvtier.tiers.remote.types import FetchStatus
+from kvtier.tiers.cpu import CpuTier
 
 pytestmark = pytest.mark.remote
 

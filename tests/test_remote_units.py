@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvtier.config import StoreConfig, load_config
+from kvtier.config_store import RemoteConfig
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.keys import Namespace
 from kvtier.store.node import NodeStore
-from kvtier.tiers.remote.config import RemoteConfig
-from kvtier.tiers.remote.mooncake import engine_environment
-from kvtier.tiers.remote.transport import RangeError, plan_ops, split_ops
+from kvtier.store.remote.mooncake import engine_environment
+from kvtier.store.remote.transport import RangeError, plan_ops, split_ops
 
 
 def _cut(total: int, cuts: list[int], base: int, gap: int) -> list[tuple[int, int]]:

@@ -10,7 +10,7 @@ from helpers import http_json, start_index_process, start_store_process
 
 from kvtier.config import StoreConfig
 from kvtier.keys import Namespace, prompt_keys
-from kvtier.store.service import connect
+from kvtier.tiers import connect
 
 NS = Namespace(
     model="announce", dtype="f16", num_layers=1, num_kv_heads=1, head_size=64, chunk_tokens=16

@@ -19,10 +19,10 @@ from hypothesis.stateful import (
 
 from kvtier.errors import KvtierError
 from kvtier.keys import Namespace, prompt_keys
+from kvtier.store.api.types import AllocStatus, LeaseStatus
 from kvtier.store.core import StoreCore
-from kvtier.store.leases import LeaseStatus
-from kvtier.store.types import AllocStatus, ChunkState
-from kvtier.tiers.cpu.allocator import PageAllocator
+from kvtier.store.entries import ChunkState
+from kvtier.store.pool.allocator import PageAllocator
 
 PAGE = 4096
 POOL_PAGES = 16

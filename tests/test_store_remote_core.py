@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from test_store_core import CHUNK, NS, PAGE, FakeClock, keys, make_core, put
 
+from kvtier.chunks import LookupStatus
 from kvtier.errors import ErrorCode, KvtierError
-from kvtier.store.types import AllocStatus
-from kvtier.tiers.base import LookupStatus
+from kvtier.store.api.types import AllocStatus
 
 
 def test_quarantined_pages_are_not_reused_until_the_quarantine_ends() -> None:

@@ -24,16 +24,16 @@ from helpers import (
     start_store_process,
 )
 
+from kvtier.chunks import LookupStatus
 from kvtier.config import StoreConfig
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.keys import Namespace, prompt_keys
-from kvtier.store.events import EventGap, EventKind
-from kvtier.store.grpc_client import GrpcStoreClient
+from kvtier.store.api.events import EventGap, EventKind
+from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.store.client.shm import segment_exists
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
-from kvtier.store.service import connect
-from kvtier.tiers.base import LookupStatus
-from kvtier.tiers.cpu.shm import segment_exists
+from kvtier.tiers import connect
 
 CHUNK = 256 << 10
 SPAWN = mp.get_context("spawn")
@@ -165,11 +165,12 @@ def test_events_stream_and_snapshot(run_dir: Path, namespace: Namespace) -> None
         stored = [e for b in batches for e in b.events if e.kind is EventKind.STORED]
         assert [k for e in stored for k in e.keys] == keys
         assert all(b.node_id == "test-node" and b.epoch == client.epoch for b in batches)
-        # a long-lived subscriber sees new events as they happen
-        stream = client.stream(batches[-1].seq + 1)
+        # a long-polling reader (what the index does) sees new events as they happen
         ns_id = client.register_namespace(namespace, CHUNK)
         client.delete(ns_id, keys[:1])
-        batch = next(stream)
+        later = client.read_events(batches[-1].seq + 1, timeout=5)
+        assert isinstance(later, list)
+        batch = later[0]
         assert batch.events[0].kind is EventKind.REMOVED and batch.events[0].keys == (keys[0],)
         snap = client.snapshot()
         assert snap.seq == batch.seq and snap.chunks == {ns_id: keys[1:]}

@@ -14,8 +14,8 @@ from kvtier.bench.trace.simcache import BlockCache
 from kvtier.bench.trace.simulate import TIERS, ClusterSim, ClusterSpec, simulate, sweep_specs
 from kvtier.cli import app
 from kvtier.keys import Namespace
+from kvtier.store.api.types import AllocStatus
 from kvtier.store.core import StoreCore
-from kvtier.store.types import AllocStatus
 
 PAGE = 4096
 

@@ -1,1 +1,65 @@
-"""The media behind one interface: GPU (vLLM's paged KV), CPU (node DRAM pool), remote."""
+"""The media behind one interface (``base.py``): the node's DRAM pool (``cpu.py``), other
+nodes' pools (``remote.py``); vLLM's own GPU memory is vLLM's. ``connect`` opens the pool,
+``open_tiers`` everything a vLLM instance's config asks for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.config import KvtierConfig
+from kvtier.config_store import StoreConfig
+from kvtier.rpc import ClientAuth
+from kvtier.store.client import connect as connect_store
+from kvtier.tiers.base import PoolTier, StagingTier
+from kvtier.tiers.cpu import CpuTier
+
+__all__ = ["CpuTier", "PoolTier", "StagingTier", "Tiers", "connect", "open_tiers"]
+
+
+def connect(
+    config: StoreConfig,
+    timeout_s: float = 10.0,
+    max_namespaces: int = 4096,
+    lazy: bool = False,
+    auth: ClientAuth | None = None,
+) -> CpuTier:
+    """The node's DRAM tier: the store at ``config.address``, or an embedded one (in this
+    process) when no address is configured. ``timeout_s`` bounds each control call to a
+    served store; ``lazy`` tolerates a store that is not up yet; ``auth``: what to present."""
+    store = connect_store(config, timeout_s, lazy=lazy, auth=auth)
+    return CpuTier(store, segment=store.local_segment(), max_namespaces=max_namespaces)
+
+
+@dataclass
+class Tiers:
+    """What one vLLM instance reads from: the node pool, then the staging tiers in order."""
+
+    pool: CpuTier
+    staging: list[StagingTier] = field(default_factory=list)
+
+    @property
+    def embedded(self) -> bool:
+        return self.pool.store.local_segment() is not None
+
+    def close(self) -> None:
+        for tier in self.staging:
+            tier.close()
+        self.pool.close()
+
+
+def open_tiers(config: KvtierConfig, lazy: bool = True) -> Tiers:
+    """The tiers ``config.connector.tiers`` names ("cpu" always comes first: every load reads
+    the node pool; "remote" stages other nodes' chunks into it through the index)."""
+    connector = config.connector
+    auth = ClientAuth.from_config(config.auth)
+    pool = connect(
+        config.store, connector.store_timeout_s, connector.max_namespaces, lazy=lazy, auth=auth
+    )
+    tiers = Tiers(pool)
+    if "remote" in connector.tiers:
+        from kvtier.index.client import connect as connect_index
+        from kvtier.tiers.remote import RemoteTier
+
+        index = connect_index(config.index, auth)
+        tiers.staging.append(RemoteTier(index, pool, connector.remote_fetch_timeout_s))
+    return tiers

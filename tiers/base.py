@@ -1,47 +1,154 @@
-"""Vocabulary shared by every tier: which medium, and what a lookup found.
+"""The media the connector finds KV in, behind two small interfaces.
 
-Tiers in order of preference: vLLM's own GPU memory (indexed, never owned by kvtier), the
-node's shared DRAM pool, other nodes' pools (remote), and later local disk.
+A load always copies from the node's shared DRAM pool: ``PoolTier`` is that pool's control
+side (namespaces, lookups under read leases, space for saves). Farther media (another node's
+pool; later a local disk) are never loaded from directly: a ``StagingTier`` brings a run of
+chunks into the node pool, where the connector leases and loads them like any DRAM hit, so
+the next request on the node hits locally. Adding a medium is one ``StagingTier`` module (and
+the store backend that serves it); the connector's lookup walks the configured staging tiers
+in order and names none of them.
+
+Vocabulary (``Tier``, ``ChunkLocation``, ``SegmentRef``, ...) lives in ``kvtier.chunks``; the
+results come from the store's API (``kvtier.store.api``).
 """
 
 from __future__ import annotations
 
+import abc
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.tiers.cpu.shm import Extent
+from kvtier.chunks import SegmentRef
+from kvtier.keys import Namespace
+from kvtier.store.api import StoreInfo
+from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult
 
 
-class Tier(enum.StrEnum):
-    GPU = "gpu"
-    CPU = "cpu"
-    REMOTE = "remote"
-    DISK = "disk"
+class PoolTier(abc.ABC):
+    """The node's DRAM pool as the connector sees it (``tiers/cpu.py``).
+
+    Pin contract: ``lookup(..., lease_ttl_s)`` pins the longest committed prefix under one
+    read lease; pinned chunks are neither evicted nor changed until ``release`` or expiry, and
+    ``renew`` extends it. Write contract: ``allocate_chunks`` reserves pages under a write
+    lease; the caller writes them, then ``commit`` makes them readable (or ``abort`` gives
+    them back); an expired write lease frees its pages and its commit fails.
+
+    Incarnations: every result carrying extents says which store incarnation (``epoch``) they
+    belong to; after a restart the tier re-attaches, and ``segment_ref(epoch)`` names the
+    segment of a given incarnation (None once forgotten). Extents are never valid in another
+    incarnation's segment.
+
+    Threading: every method may be called from any thread; calls on one lease are the
+    caller's to order. Leases belong to the process that took them and die with it.
+    """
+
+    name = "cpu"
+
+    @property
+    @abc.abstractmethod
+    def info(self) -> StoreInfo:
+        """The incarnation attached to (attaching now if need be: UNAVAILABLE if down)."""
+
+    @property
+    @abc.abstractmethod
+    def epoch(self) -> int:
+        """The incarnation attached to now (0: none yet). Never blocks."""
+
+    @abc.abstractmethod
+    def segment_ref(self, epoch: int) -> SegmentRef | None: ...
+
+    @abc.abstractmethod
+    def namespace_id(self, namespace: Namespace, chunk_bytes: int) -> bytes:
+        """The namespace's id, registered with the store if this tier did not yet."""
+
+    @abc.abstractmethod
+    def forget_namespace(self, ns_id: bytes) -> None:
+        """The store no longer knows ``ns_id``: register it again next time."""
+
+    @abc.abstractmethod
+    def lookup(
+        self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None = None
+    ) -> LookupResult:
+        """Longest committed prefix of ``keys``, read-leased when ``lease_ttl_s`` is given."""
+
+    @abc.abstractmethod
+    def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
+        """End read leases. OK: nothing read under it can have changed; EXPIRED: it may."""
+
+    @abc.abstractmethod
+    def renew(self, lease_id: int, ttl_s: float | None = None) -> float: ...
+
+    @abc.abstractmethod
+    def allocate_chunks(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        ttl_s: float | None = None,
+    ) -> AllocateResult:
+        """Pages for chunks about to be written, evicting unpinned chunks as needed."""
+
+    @abc.abstractmethod
+    def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
+        """Make written chunks readable (``keys=None``: the whole lease). Never retried after
+        a store restart: leases do not survive one."""
+
+    @abc.abstractmethod
+    def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int: ...
+
+    @abc.abstractmethod
+    def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
+        """Remove chunks (a pinned one is unlinked now, its pages freed at its last unpin)."""
+
+    @abc.abstractmethod
+    def clear(self) -> int: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
 
 
-class LookupStatus(enum.StrEnum):
-    """Per-chunk outcome of a lookup; a prefix lookup reports the status that ended it."""
+class StageStatus(enum.StrEnum):
+    """How a staging attempt ended (what the connector counts)."""
 
-    HIT = "hit"  # committed and (if asked) leased
-    MISS = "miss"  # not held
-    PENDING = "pending"  # being written right now: ask again soon rather than recompute
+    STAGED = "staged"  # ``chunks`` leading keys are committed in the node pool now
+    NOT_HELD = "not_held"  # no holder of at least ``min_chunks`` of them: nothing to do
+    UNAVAILABLE = "unavailable"  # the medium (or what locates data in it) cannot be reached
+    PARTIAL = "partial"  # some chunks staged, then the holder missed, failed or timed out
+    FAILED = "failed"  # nothing staged: the transfer failed (the prompt recomputes)
 
 
 @dataclass(frozen=True, slots=True)
-class ChunkLocation:
-    """Where a chunk's bytes are in a pool segment."""
+class StageResult:
+    status: StageStatus
+    chunks: int = 0  # leading keys committed in the node pool now (not leased)
+    bytes: int = 0  # bytes moved
+    seconds: float = 0.0
+    source: str = ""  # who held them (a node id, a disk path)
+    detail: str = ""  # the medium's own reason (e.g. a fetch status), for counters and logs
 
-    key: bytes
-    size: int
-    extents: tuple[Extent, ...]  # (byte offset, length) in the segment, in order
-    checksum: int  # XXH3-64 of the chunk's bytes, 0 while being written
+    @property
+    def staged(self) -> bool:
+        return self.chunks > 0
 
 
-@dataclass(frozen=True, slots=True)
-class SegmentRef:
-    """The pool segment one store incarnation (epoch) hands out extents of: a store restart
-    makes a new segment, and extents of one incarnation mean nothing in another's."""
+class StagingTier(abc.ABC):
+    """A medium farther than the node pool, read by staging chunks into it.
 
-    name: str
-    size: int
-    epoch: int
+    ``stage`` makes the longest possible leading run of ``keys`` committed in the node pool
+    (nothing is leased: the caller leases them with ``PoolTier.lookup``, and may find fewer
+    if the pool evicted some meanwhile). It returns within its own deadline whatever the
+    medium does (a dead or frozen holder costs at most that), never raises for a medium
+    failure (only for bad arguments), and leaves the prompt's tail to recompute on any doubt.
+
+    Threading: called from the connector's lookup threads, several at once.
+    """
+
+    name: str  # the tier's name in the connector's config (``tiers = ["cpu", "remote"]``)
+
+    @abc.abstractmethod
+    def stage(self, ns_id: bytes, keys: Sequence[bytes], min_chunks: int) -> StageResult:
+        """Stage a leading run of ``keys`` of at least ``min_chunks`` (else NOT_HELD)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the tier holds (connections); the medium keeps its data."""

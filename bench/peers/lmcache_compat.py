@@ -58,7 +58,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
                     _exec(module)
                     _patch(module)
 
-                spec.loader.exec_module = patched_exec
+                spec.loader.exec_module = patched_exec  # type: ignore[method-assign]
                 return spec
         return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,6 +13,7 @@ import typer
 
 from kvtier.bench.trace.formats import DEFAULT_BLOCK_TOKENS, TraceFormat
 from kvtier.errors import KvtierError
+from kvtier.router.policies import POLICIES
 
 trace_app = typer.Typer(
     no_args_is_help=True,
@@ -58,7 +60,7 @@ def _reader_progress(path: Path, fmt: TraceFormat, block_tokens: int, progress: 
 
     reader = TraceReader(path, fmt, block_tokens)
 
-    def gen():  # type: ignore[no-untyped-def]
+    def gen() -> Iterator[Any]:
         with tqdm(
             total=reader.total_bytes,
             unit="B",
@@ -141,12 +143,18 @@ def simulate_cmd(
         "8192"
     ),
     routing: Annotated[
-        str, typer.Option(help="round-robin | sticky | cache-aware | lmetric (list sweeps)")
+        str,
+        typer.Option(
+            help=f"routing policy, kvtier.router.policies: {' | '.join(POLICIES)} (list sweeps)"
+        ),
     ] = "lmetric",
     dram_policy: Annotated[str, typer.Option(help="lru | s3fifo (list sweeps)")] = "s3fifo",
     gpu_policy: Annotated[str, typer.Option(help="the GPU cache's policy (vLLM: lru)")] = "lru",
     dram_credit: Annotated[
-        float, typer.Option(help="routing: weight of a DRAM-held block (GPU = 1)")
+        float,
+        typer.Option(
+            help="routing (cache-aware, lmetric, hybrid): weight of a DRAM-held token (GPU = 1)"
+        ),
     ] = 0.5,
     remote: Annotated[bool, typer.Option(help="other nodes' pools as a remote tier")] = True,
     prefill_tokens_per_s: Annotated[float, typer.Option(help="time model: prefill rate")] = 10000.0,
@@ -173,8 +181,14 @@ def simulate_cmd(
             prefill_tokens_per_s=prefill_tokens_per_s,
             decode_ms_per_token=decode_ms_per_token,
         )
+        routings = _strs(routing)
+        unknown = [r for r in routings if r not in POLICIES]
+        if unknown:
+            raise ValueError(
+                f"unknown routing policy {unknown[0]!r}; choose from {', '.join(POLICIES)}"
+            )
         specs = sweep_specs(
-            base, _ints(gpu_blocks), _ints(dram_blocks), _strs(routing), _strs(dram_policy)
+            base, _ints(gpu_blocks), _ints(dram_blocks), routings, _strs(dram_policy)
         )
         if jobs > 1:
             reports = simulate_file(trace, specs, fmt, block_tokens, jobs)

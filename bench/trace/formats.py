@@ -25,7 +25,7 @@ import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import msgspec
 
@@ -61,7 +61,8 @@ _encoder = msgspec.json.Encoder()
 
 def _open_text(path: Path, mode: str) -> IO[str]:
     if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, mode + "b"), encoding="utf-8")  # type: ignore[arg-type]
+        binary: Any = gzip.open(path, mode + "b")  # noqa: SIM115 - the wrapper owns it
+        return io.TextIOWrapper(binary, encoding="utf-8")
     return open(path, mode, encoding="utf-8")
 
 

@@ -32,9 +32,9 @@ Threading: one asyncio loop; ``Replayer`` is not thread-safe.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -423,7 +423,7 @@ def trace_items(
             index=index,
             scheduled_s=(req.timestamp - first_ts) / 1000.0 * spec.time_scale,
             max_tokens=max(out, 1),
-            make_tokens=lambda r=req: builder.request_tokens(r),
+            make_tokens=functools.partial(builder.request_tokens, req),
             session=req.session_id or f"d{obs.session}",
             turn=obs.turn,
             cls=classify(classes, new_tokens),
@@ -469,31 +469,24 @@ async def fetch_metrics(
     return parse_prometheus(text, keep_labels)
 
 
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_prometheus(text: str, keep_labels: tuple[str, ...] = ()) -> dict[str, float]:
-    """Samples by name, summed over every label except ``keep_labels``.
+    """Samples by name, summed over every label except ``keep_labels`` (prometheus_client's
+    parser reads the text).
 
     A kept label becomes part of the key, vLLM-driver style:
     ``vllm:prompt_tokens_cached_by_source_total{source=host}``; samples without it keep the
     bare name.
     """
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name, brace, labels = name_labels.partition("{")
-        if brace and keep_labels:
-            kept = dict(_LABEL.findall(labels))
-            parts = [f"{k}={kept[k]}" for k in keep_labels if k in kept]
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            parts = [f"{k}={sample.labels[k]}" for k in keep_labels if k in sample.labels]
             if parts:
                 name = f"{name}{{{','.join(parts)}}}"
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
+            out[name] = out.get(name, 0.0) + float(sample.value)
     return out
 
 

@@ -9,12 +9,11 @@ from kvtier.bench.trace.simulate import TIERS
 
 
 def make_console() -> Any:
-    import sys
 
-    from rich.console import Console
+    from kvtier.logs import console
 
     # Piped output (files, CI logs) would be wrapped at 80 columns: tables here are wider.
-    return Console() if sys.stdout.isatty() else Console(width=160)
+    return console()
 
 
 def print_analysis(r: dict[str, Any]) -> None:
@@ -121,7 +120,17 @@ def print_simulation(reports: list[dict[str, Any]]) -> None:
             f"{r['load']['requests_max_over_mean']:.2f}",
             f"{r['modelled_ttft_s']['p50']:.2f} / {r['modelled_ttft_s']['p90']:.2f}",
         )
-    make_console().print(t)
+    console = make_console()
+    console.print(t)
+    # Why each policy routed where it did (affinity gates, sticky overrides), once per policy.
+    seen: set[str] = set()
+    for r in reports:
+        routing, decisions = r["spec"]["routing"], r.get("routing_decisions", {})
+        if routing in seen or len(decisions) < 2:
+            continue
+        seen.add(routing)
+        why = ", ".join(f"{reason} {n:,}" for reason, n in decisions.items())
+        console.print(f"[dim]{routing} decisions: {why}[/dim]")
 
 
 def plot_simulation(reports: list[dict[str, Any]], path: Path) -> None:

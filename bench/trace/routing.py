@@ -1,132 +1,123 @@
-"""Routing policies for the cluster simulator: which instance serves a request.
+"""Routing in the cluster simulator: the router's own policies over the simulator's state.
 
-A router sees the cluster through ``ClusterView`` (read-only) and is called once per request, in
-arrival order, from one thread. It may keep its own state (a session table).
+The policies are ``kvtier.router.policies`` (``make_policy``, ``POLICIES``), the classes the
+router serves with, so a policy tuned here is deployed unchanged. This module only adapts:
+for each request it turns the simulator's cluster state into one ``Candidate`` per instance,
+in instance order, and maps ``Decision.index`` back to the instance.
 
-- ``round-robin``: instances in turn; ignores caches.
-- ``sticky``: a session stays where its first turn went (the least loaded instance then).
-- ``cache-aware``: the instance holding the longest prefix (GPU, then its node's DRAM), ties
-  broken by load. Affinity alone: one hot shared prefix can pile everything onto one instance.
-- ``lmetric``: score = (pending prefill tokens + this request's uncached tokens) x (running
-  requests + 1), lowest wins. Counting only uncached tokens gives a soft affinity without an
-  explicit one (the reference's LMetric; +1 so that idle instances still compare by work).
+- **Load**: ``pending_prefill_tokens`` = the instance's prefill backlog (time until its
+  prefill queue drains x the modelled prefill rate); ``running`` = requests not yet finished
+  (prefilling or decoding). ``waiting`` and ``kv_usage`` are not modelled (0).
+- **Coverage** (cumulative, in tokens, capped at the prompt length): ``gpu`` = the
+  instance's GPU leading run; ``dram`` = that plus the run that follows in its node's DRAM
+  pool; ``remote`` = that plus the run that follows in other nodes' pools (only when the
+  simulator models a remote tier: several nodes with DRAM, remote on). These are exactly the
+  runs the request would then be served from (``ClusterSim.step``), read without touching
+  any cache. Blocks become tokens at ``block_tokens`` each.
+- **Sessions**: the simulator's integer session id, as a string.
 
-Both cache-aware policies weigh a block found in the node's DRAM by ``dram_credit`` (GPU = 1):
-loading from DRAM is cheap but not free, and with a credit of 1 a router happily leaves the
-instance whose GPU holds the prefix for any instance on the same node.
+Instances are named ``i0``, ``i1``, ... zero-padded to a common width, so the policies'
+tie-break by name is the instance order. Cache-blind policies (round-robin, least-load,
+sticky) get no coverage: it is not computed (it costs a lookup per instance).
 """
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Sequence
 from typing import Protocol
+
+from kvtier.router.policies import (
+    POLICIES,
+    Candidate,
+    Coverage,
+    Decision,
+    LeastLoad,
+    Load,
+    Policy,
+    RoundRobin,
+    RouteRequest,
+    Sticky,
+    TierCosts,
+    make_policy,
+)
+
+__all__ = [
+    "POLICIES",
+    "ClusterView",
+    "SimRouter",
+    "coverage_from_blocks",
+    "make_policy",
+    "make_sim_router",
+]
+
+_CACHE_BLIND = (RoundRobin, LeastLoad, Sticky)
 
 
 class ClusterView(Protocol):
     @property
     def size(self) -> int: ...
 
-    def cached_blocks(self, instance: int, ids: Sequence[int]) -> tuple[int, int]:
-        """Leading blocks of ``ids`` in the instance's GPU cache, then in its node's DRAM."""
+    def tier_runs(self, ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """Per instance: the leading blocks of ``ids`` in its GPU cache, then the run that
+        follows in its node's pool, then the run that follows in other nodes' pools."""
         ...
 
-    def pending_prefill_tokens(self, instance: int, now: float) -> float: ...
-
-    def running(self, instance: int, now: float) -> int: ...
-
-
-class Router(abc.ABC):
-    name: str
-
-    @abc.abstractmethod
-    def choose(
-        self, view: ClusterView, ids: Sequence[int], input_length: int, session: int, now: float
-    ) -> int: ...
+    def loads(self, now: float) -> list[tuple[float, int]]:
+        """Per instance: (pending prefill tokens, running requests) at ``now``."""
+        ...
 
 
-def _load(view: ClusterView, i: int, now: float) -> tuple[float, int]:
-    return view.pending_prefill_tokens(i, now), view.running(i, now)
+def coverage_from_blocks(runs: tuple[int, int, int], tokens: int, block_tokens: int) -> Coverage:
+    """Cumulative token coverage from block runs (GPU, then node DRAM, then remote)."""
+    g, d, r = runs
+    return Coverage(
+        gpu=min(g * block_tokens, tokens),
+        dram=min((g + d) * block_tokens, tokens),
+        remote=min((g + d + r) * block_tokens, tokens),
+    )
 
 
-class RoundRobin(Router):
-    name = "round-robin"
+class SimRouter:
+    """A policy applied to the simulator, one request at a time in arrival order."""
 
-    def __init__(self) -> None:
-        self._next = 0
-
-    def choose(
-        self, view: ClusterView, ids: Sequence[int], input_length: int, session: int, now: float
-    ) -> int:
-        i = self._next % view.size
-        self._next += 1
-        return i
-
-
-class SessionSticky(Router):
-    name = "sticky"
-
-    def __init__(self) -> None:
-        self._home: dict[int, int] = {}
-
-    def choose(
-        self, view: ClusterView, ids: Sequence[int], input_length: int, session: int, now: float
-    ) -> int:
-        home = self._home.get(session)
-        if home is None:
-            home = min(range(view.size), key=lambda i: (_load(view, i, now), i))
-            self._home[session] = home
-        return home
-
-
-class CacheAware(Router):
-    name = "cache-aware"
-
-    def __init__(self, dram_credit: float) -> None:
-        self.dram_credit = dram_credit
-
-    def choose(
-        self, view: ClusterView, ids: Sequence[int], input_length: int, session: int, now: float
-    ) -> int:
-        def key(i: int) -> tuple[float, tuple[float, int], int]:
-            gpu, dram = view.cached_blocks(i, ids)
-            return (-(gpu + self.dram_credit * dram), _load(view, i, now), i)
-
-        return min(range(view.size), key=key)
-
-
-class LMetric(Router):
-    name = "lmetric"
-
-    def __init__(self, block_tokens: int, dram_credit: float) -> None:
+    def __init__(self, policy: Policy, instances: int, block_tokens: int) -> None:
+        self.policy = policy
         self.block_tokens = block_tokens
-        self.dram_credit = dram_credit
+        width = len(str(max(instances - 1, 0)))
+        self.names = [f"i{i:0{width}d}" for i in range(instances)]
+        self.uses_coverage = not isinstance(policy, _CACHE_BLIND)
+
+    def candidates(
+        self, view: ClusterView, ids: Sequence[int], tokens: int, now: float
+    ) -> list[Candidate]:
+        loads = view.loads(now)
+        if not self.uses_coverage:
+            return [
+                Candidate(name, Load(pending, running))
+                for name, (pending, running) in zip(self.names, loads, strict=True)
+            ]
+        bt = self.block_tokens
+        return [
+            Candidate(name, Load(pending, running), coverage_from_blocks(runs, tokens, bt))
+            for name, (pending, running), runs in zip(
+                self.names, loads, view.tier_runs(ids), strict=True
+            )
+        ]
 
     def choose(
-        self, view: ClusterView, ids: Sequence[int], input_length: int, session: int, now: float
-    ) -> int:
-        best, best_key = 0, None
-        for i in range(view.size):
-            gpu, dram = view.cached_blocks(i, ids)
-            cached = min((gpu + self.dram_credit * dram) * self.block_tokens, input_length)
-            pending, running = _load(view, i, now)
-            score = (pending + input_length - cached) * (running + 1)
-            key = (score, -cached, i)
-            if best_key is None or key < best_key:
-                best, best_key = i, key
-        return best
+        self, view: ClusterView, ids: Sequence[int], tokens: int, session: int | None, now: float
+    ) -> Decision:
+        """The policy's decision; its ``index`` is the instance."""
+        request = RouteRequest(tokens, None if session is None else str(session))
+        return self.policy.choose(request, self.candidates(view, ids, tokens, now))
 
 
-ROUTERS = ("round-robin", "sticky", "cache-aware", "lmetric")
-
-
-def make_router(name: str, block_tokens: int, dram_credit: float = 0.5) -> Router:
-    if name == "round-robin":
-        return RoundRobin()
-    if name == "sticky":
-        return SessionSticky()
-    if name == "cache-aware":
-        return CacheAware(dram_credit)
-    if name == "lmetric":
-        return LMetric(block_tokens, dram_credit)
-    raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(ROUTERS)}")
+def make_sim_router(
+    name: str,
+    instances: int,
+    block_tokens: int,
+    dram_credit: float = 0.5,
+    costs: TierCosts | None = None,
+) -> SimRouter:
+    """``make_policy(name, ...)`` wrapped for the simulator (unknown names raise ValueError)."""
+    return SimRouter(make_policy(name, dram_credit, costs), instances, block_tokens)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from kvtier.tiers.cpu.eviction import EvictionPolicy, make_policy
+from kvtier.store.pool.eviction import EvictionPolicy, make_policy
 
 Key = Hashable
 

@@ -14,6 +14,9 @@ Afterwards the GPU cache stores every block, and the node pool stores every bloc
 GPU hit (computed chunks are saved and remote chunks land in local DRAM), through ``BlockCache``
 (the store's semantics and policy classes, so simulator and store agree by construction).
 
+Routing uses the router's own policies (``kvtier.router.policies``, adapted in ``routing.py``):
+the simulator is where a policy is tuned before the router serves with it unchanged.
+
 A coarse time model feeds load-aware routing and a modelled TTFT: each instance prefills one
 request at a time at ``prefill_tokens_per_s`` (plus per-token load costs for DRAM and remote
 hits), then decodes at ``decode_ms_per_token``. Caches change at arrival; remote reads do not
@@ -26,7 +29,8 @@ Every spec of a sweep is fed in the same single pass over the trace.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,9 +43,10 @@ from kvtier.bench.trace.formats import (
     TraceReader,
     TraceRequest,
 )
-from kvtier.bench.trace.routing import Router, make_router
+from kvtier.bench.trace.routing import SimRouter
 from kvtier.bench.trace.sessions import SessionTracker
 from kvtier.bench.trace.simcache import BlockCache
+from kvtier.router.policies import Policy, make_policy
 
 TIERS = ("gpu", "local_dram", "remote", "miss")
 
@@ -55,7 +60,7 @@ class ClusterSpec:
     gpu_policy: str = "lru"
     dram_policy: str = "s3fifo"
     remote: bool = True
-    routing: str = "lmetric"
+    routing: str = "lmetric"  # any name in kvtier.router.policies.POLICIES
     dram_credit: float = 0.5  # routing: a DRAM-held block counts this much of a GPU-held one
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     prefill_tokens_per_s: float = 10_000.0
@@ -87,31 +92,51 @@ class _Instance:
 class ClusterSim:
     """One cluster model. ``step`` is called per request in arrival order; not thread-safe."""
 
-    def __init__(self, spec: ClusterSpec, router: Router | None = None) -> None:
+    def __init__(self, spec: ClusterSpec, policy: Policy | None = None) -> None:
         self.spec = spec
-        self.router = router or make_router(spec.routing, spec.block_tokens, spec.dram_credit)
+        self.router = SimRouter(
+            policy or make_policy(spec.routing, spec.dram_credit),
+            spec.instances,
+            spec.block_tokens,
+        )
         self.instances = [
             _Instance(BlockCache(spec.gpu_blocks, spec.gpu_policy), i // spec.instances_per_node)
             for i in range(spec.instances)
         ]
         self.pools = [BlockCache(spec.dram_blocks, spec.dram_policy) for _ in range(spec.nodes)]
         self._track_remote = spec.remote and spec.nodes > 1 and spec.dram_blocks > 0
-        self._holders: dict[int, int] = {}  # block -> node pools holding it
+        self._holders: dict[Hashable, int] = {}  # block -> node pools holding it
         self.blocks = dict.fromkeys(TIERS, 0)
         self.tokens = dict.fromkeys(TIERS, 0)
         self.ttft_s: list[float] = []
         self.requests = 0
+        self.decisions: Counter[str] = Counter()  # routing decisions by reason
 
-    # -- ClusterView ---------------------------------------------------------------------
+    # -- ClusterView (routing.py) --------------------------------------------------------
 
     @property
     def size(self) -> int:
         return len(self.instances)
 
-    def cached_blocks(self, instance: int, ids: Sequence[int]) -> tuple[int, int]:
-        inst = self.instances[instance]
-        g = inst.gpu.match(ids)
-        return g, self.pools[inst.node].match(ids, g)
+    def tier_runs(self, ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """Per instance: blocks of ``ids`` it would read from its GPU, its node's pool and
+        other nodes' pools (leading runs, in that order), without touching any cache."""
+        out = []
+        node_runs: dict[tuple[int, int], tuple[int, int]] = {}  # (node, gpu run) -> runs
+        for inst in self.instances:
+            g = inst.gpu.match(ids)
+            runs = node_runs.get((inst.node, g))
+            if runs is None:
+                pool = self.pools[inst.node]
+                d = pool.match(ids, g)
+                runs = node_runs[(inst.node, g)] = (d, self._remote_run(pool, ids, g + d))
+            out.append((g, *runs))
+        return out
+
+    def loads(self, now: float) -> list[tuple[float, int]]:
+        return [
+            (self.pending_prefill_tokens(i, now), self.running(i, now)) for i in range(self.size)
+        ]
 
     def pending_prefill_tokens(self, instance: int, now: float) -> float:
         backlog = self.instances[instance].prefill_free_at - now
@@ -123,39 +148,50 @@ class ClusterSim:
             heapq.heappop(heap)
         return len(heap)
 
+    def _remote_run(self, pool: BlockCache, ids: Sequence[int], start: int) -> int:
+        """Leading blocks of ``ids[start:]`` that some other node's pool holds."""
+        if not self._track_remote:
+            return 0
+        holders = self._holders
+        r = 0
+        for key in ids[start:]:
+            if holders.get(key, 0) - (key in pool) <= 0:
+                break
+            r += 1
+        return r
+
     # -- simulation ----------------------------------------------------------------------
 
-    def step(self, req: TraceRequest, session: int) -> tuple[int, tuple[int, int, int, int]]:
-        """Serve one request; returns (instance, blocks per tier in TIERS order)."""
+    def step(
+        self, req: TraceRequest, session: int | None = None
+    ) -> tuple[int, tuple[int, int, int, int]]:
+        """Serve one request of ``session`` (None: unknown); returns (instance, blocks per
+        tier in TIERS order)."""
         spec = self.spec
         ids = req.hash_ids
         now = req.timestamp / 1000.0
-        i = self.router.choose(self, ids, req.input_length, session, now)
+        decision = self.router.choose(self, ids, req.input_length, session, now)
+        self.decisions[decision.reason] += 1
+        i = decision.index
         inst = self.instances[i]
         pool = self.pools[inst.node]
         n = len(ids)
         g = inst.gpu.lookup(ids)
         d = pool.lookup(ids, g)
-        r = 0
-        if self._track_remote:
-            holders = self._holders
-            for key in ids[g + d :]:
-                if holders.get(key, 0) - (key in pool) <= 0:
-                    break
-                r += 1
+        r = self._remote_run(pool, ids, g + d)
         counts = (g, d, r, n - g - d - r)
         inst.gpu.store(ids)
         inserted, evicted = pool.store(ids, g)
         if self._track_remote:
             holders = self._holders
-            for key in inserted:
-                holders[key] = holders.get(key, 0) + 1
-            for key in evicted:
-                left = holders[key] - 1
+            for block in inserted:
+                holders[block] = holders.get(block, 0) + 1
+            for block in evicted:
+                left = holders[block] - 1
                 if left:
-                    holders[key] = left
+                    holders[block] = left
                 else:
-                    del holders[key]
+                    del holders[block]
 
         bt = spec.block_tokens
         remaining = req.input_length
@@ -196,6 +232,7 @@ class ClusterSim:
                 "miss_tokens_max_over_mean": _ratio(per_miss.max(), per_miss.mean()),
                 "requests_per_instance": [int(x) for x in per_req],
             },
+            "routing_decisions": dict(self.decisions.most_common()),
             "modelled_ttft_s": {f"p{q}": float(np.percentile(ttft, q)) for q in (50, 90, 99)},
             "evictions": {
                 "gpu": sum(inst.gpu.evictions for inst in self.instances),
@@ -218,7 +255,7 @@ def simulate(
     need_sessions = any(spec.routing == "sticky" for spec in specs)
     tracker = SessionTracker.standalone(block_tokens, derive=derive_sessions)
     for req in requests:
-        session = 0
+        session = None
         if need_sessions:
             session = tracker.observe(req).session
         for sim in sims:

@@ -71,7 +71,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "segment_name", "segment_size", "page_size", "version", "transfer_address", "transfer_base")
+    __slots__ = ("node_id", "epoch", "segment_name", "segment_size", "page_size", "version", "transfer_address", "transfer_base", "lease_ttl_s", "session_timeout_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,8 @@ class InfoReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BASE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     segment_name: str
@@ -88,7 +90,9 @@ class InfoReply(_message.Message):
     version: str
     transfer_address: str
     transfer_base: int
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., segment_name: _Optional[str] = ..., segment_size: _Optional[int] = ..., page_size: _Optional[int] = ..., version: _Optional[str] = ..., transfer_address: _Optional[str] = ..., transfer_base: _Optional[int] = ...) -> None: ...
+    lease_ttl_s: float
+    session_timeout_s: float
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., segment_name: _Optional[str] = ..., segment_size: _Optional[int] = ..., page_size: _Optional[int] = ..., version: _Optional[str] = ..., transfer_address: _Optional[str] = ..., transfer_base: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., session_timeout_s: _Optional[float] = ...) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("epoch", "namespace_json", "chunk_bytes")
@@ -123,16 +127,18 @@ class Locations(_message.Message):
     def __init__(self, sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., extent_counts: _Optional[_Iterable[int]] = ..., extent_offsets: _Optional[_Iterable[int]] = ..., extent_lengths: _Optional[_Iterable[int]] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("epoch", "ns_id", "keys", "lease_ttl_s")
+    __slots__ = ("epoch", "ns_id", "keys", "lease_ttl_s", "session")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     ns_id: bytes
     keys: bytes
     lease_ttl_s: float
-    def __init__(self, epoch: _Optional[int] = ..., ns_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    session: int
+    def __init__(self, epoch: _Optional[int] = ..., ns_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., session: _Optional[int] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("hits", "stop", "lease_id")
@@ -145,18 +151,20 @@ class LookupReply(_message.Message):
     def __init__(self, hits: _Optional[_Union[Locations, _Mapping]] = ..., stop: _Optional[_Union[LookupStatus, str]] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("epoch", "ns_id", "keys", "sizes", "ttl_s")
+    __slots__ = ("epoch", "ns_id", "keys", "sizes", "ttl_s", "session")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     ns_id: bytes
     keys: bytes
     sizes: _containers.RepeatedScalarFieldContainer[int]
     ttl_s: float
-    def __init__(self, epoch: _Optional[int] = ..., ns_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    session: int
+    def __init__(self, epoch: _Optional[int] = ..., ns_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ..., session: _Optional[int] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
     __slots__ = ("lease_id", "statuses", "allocated")
@@ -247,6 +255,48 @@ class DeleteReply(_message.Message):
     DELETED_FIELD_NUMBER: _ClassVar[int]
     deleted: int
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class OpenSessionReply(_message.Message):
+    __slots__ = ("session", "timeout_s")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    timeout_s: float
+    def __init__(self, session: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("epoch", "session")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    session: int
+    def __init__(self, epoch: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("alive",)
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    alive: bool
+    def __init__(self, alive: _Optional[bool] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("epoch", "session")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    session: int
+    def __init__(self, epoch: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
+
+class CloseSessionReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("epoch",)
@@ -371,17 +421,3 @@ class FetchReply(_message.Message):
     present: bytes
     message: str
     def __init__(self, status: _Optional[_Union[FetchStatus, str]] = ..., local: _Optional[int] = ..., fetched: _Optional[int] = ..., bytes: _Optional[int] = ..., holder_hits: _Optional[int] = ..., checksum_mismatches: _Optional[int] = ..., present: _Optional[bytes] = ..., message: _Optional[str] = ...) -> None: ...
-
-class SubscribeRequest(_message.Message):
-    __slots__ = ("from_seq",)
-    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
-    from_seq: int
-    def __init__(self, from_seq: _Optional[int] = ...) -> None: ...
-
-class SubscribeReply(_message.Message):
-    __slots__ = ("batch", "gap_oldest")
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    GAP_OLDEST_FIELD_NUMBER: _ClassVar[int]
-    batch: EventBatch
-    gap_oldest: int
-    def __init__(self, batch: _Optional[_Union[EventBatch, _Mapping]] = ..., gap_oldest: _Optional[int] = ...) -> None: ...

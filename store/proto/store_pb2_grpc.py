@@ -74,6 +74,21 @@ class StoreStub:
                 request_serializer=store__pb2.RenewRequest.SerializeToString,
                 response_deserializer=store__pb2.RenewReply.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/kvtier.store.v1.Store/OpenSession',
+                request_serializer=store__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=store__pb2.OpenSessionReply.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/kvtier.store.v1.Store/Heartbeat',
+                request_serializer=store__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=store__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/kvtier.store.v1.Store/CloseSession',
+                request_serializer=store__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=store__pb2.CloseSessionReply.FromString,
+                _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/kvtier.store.v1.Store/Delete',
                 request_serializer=store__pb2.DeleteRequest.SerializeToString,
@@ -98,11 +113,6 @@ class StoreStub:
                 '/kvtier.store.v1.Store/ReadEvents',
                 request_serializer=store__pb2.ReadEventsRequest.SerializeToString,
                 response_deserializer=store__pb2.ReadEventsReply.FromString,
-                _registered_method=True)
-        self.Subscribe = channel.unary_stream(
-                '/kvtier.store.v1.Store/Subscribe',
-                request_serializer=store__pb2.SubscribeRequest.SerializeToString,
-                response_deserializer=store__pb2.SubscribeReply.FromString,
                 _registered_method=True)
         self.LeaseForPeer = channel.unary_unary(
                 '/kvtier.store.v1.Store/LeaseForPeer',
@@ -167,6 +177,24 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Delete(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -192,12 +220,6 @@ class StoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReadEvents(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Subscribe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -259,6 +281,21 @@ def add_StoreServicer_to_server(servicer, server):
                     request_deserializer=store__pb2.RenewRequest.FromString,
                     response_serializer=store__pb2.RenewReply.SerializeToString,
             ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=store__pb2.OpenSessionRequest.FromString,
+                    response_serializer=store__pb2.OpenSessionReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=store__pb2.HeartbeatRequest.FromString,
+                    response_serializer=store__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=store__pb2.CloseSessionRequest.FromString,
+                    response_serializer=store__pb2.CloseSessionReply.SerializeToString,
+            ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
                     request_deserializer=store__pb2.DeleteRequest.FromString,
@@ -283,11 +320,6 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.ReadEvents,
                     request_deserializer=store__pb2.ReadEventsRequest.FromString,
                     response_serializer=store__pb2.ReadEventsReply.SerializeToString,
-            ),
-            'Subscribe': grpc.unary_stream_rpc_method_handler(
-                    servicer.Subscribe,
-                    request_deserializer=store__pb2.SubscribeRequest.FromString,
-                    response_serializer=store__pb2.SubscribeReply.SerializeToString,
             ),
             'LeaseForPeer': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaseForPeer,
@@ -527,6 +559,87 @@ class Store:
             _registered_method=True)
 
     @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.store.v1.Store/OpenSession',
+            store__pb2.OpenSessionRequest.SerializeToString,
+            store__pb2.OpenSessionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.store.v1.Store/Heartbeat',
+            store__pb2.HeartbeatRequest.SerializeToString,
+            store__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.store.v1.Store/CloseSession',
+            store__pb2.CloseSessionRequest.SerializeToString,
+            store__pb2.CloseSessionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Delete(request,
             target,
             options=(),
@@ -651,33 +764,6 @@ class Store:
             '/kvtier.store.v1.Store/ReadEvents',
             store__pb2.ReadEventsRequest.SerializeToString,
             store__pb2.ReadEventsReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Subscribe(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/kvtier.store.v1.Store/Subscribe',
-            store__pb2.SubscribeRequest.SerializeToString,
-            store__pb2.SubscribeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,306 @@
+"""Per request: what the scheduler side keeps (``RequestState``), and the tier-first lookup of
+its prompt (``TierResolver.resolve``): how much the node pool holds past vLLM's own hit, then
+how much more each staging tier (another node's pool, ...) can bring into the pool, all
+leased for the load.
+
+A request's inputs can change while it lives (vLLM's streaming-input sessions append prompt
+tokens, drop the last sampled token, and may add an image later), so ``refresh()`` runs at
+every hook: it re-evaluates cacheability and drops the keys of chunks whose tokens are not
+computed yet. A ``LookupOutcome`` remembers, per TP rank, which store incarnation (epoch) its
+extents belong to: a store that restarts between the lookup and the load has another pool,
+and the load fails instead of copying the old pool's offsets out of the new one. Every lease
+taken is handed to the outcome or released before ``resolve`` returns, also when it raises.
+
+Threading: ``resolve`` runs on a ``kvtier-lookup`` thread (inline for an embedded store); a
+``RequestState``'s keyers are guarded by its lock (the alloc thread keys saves too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier.chunks import ChunkLocation
+from kvtier.config_connector import ConnectorConfig
+from kvtier.connector.counters import C, Counter, stage_counters
+from kvtier.connector.fingerprint import AdapterFingerprints
+from kvtier.connector.layout import KvGeometry, ModelIdentity
+from kvtier.errors import ErrorCode, KvtierError
+from kvtier.keys import PromptKeyer, salt_digest
+from kvtier.tiers import Tiers
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from vllm.v1.request import Request
+
+Count = Callable[[Counter, float], None]
+
+
+def inputs_of(request: Request) -> tuple[int, int, bool]:
+    """What identifies a request's inputs: prompt length, multimodal items, embeddings."""
+    return (
+        request.num_prompt_tokens,
+        len(request.mm_features or ()),
+        getattr(request, "prompt_embeds", None) is not None,
+    )
+
+
+def cacheable(request: Request) -> bool:
+    """Token ids alone determine the KV (no multimodal items, no prompt embeddings)."""
+    return (
+        request.prompt_token_ids is not None
+        and not request.mm_features
+        and getattr(request, "prompt_embeds", None) is None
+    )
+
+
+@dataclass
+class LookupOutcome:
+    """What the tiers hold past ``computed`` tokens (vLLM's own hit) for one request."""
+
+    computed: int  # vLLM's local hit this outcome was computed for
+    first_chunk: int  # chunk holding token ``computed``
+    hits: dict[int, list[ChunkLocation]] = field(default_factory=dict)  # per rank, leased
+    epochs: dict[int, int] = field(default_factory=dict)  # per rank: incarnation of the hits
+    lease_ids: list[int] = field(default_factory=list)  # every lease taken (all ranks, tiers)
+    leased_at: float = field(default_factory=time.monotonic)
+    tokens: int = 0  # tokens vLLM may skip (0 when the run is not worth a load)
+    sources: dict[str, int] = field(default_factory=dict)  # tier name -> tokens of ``tokens``
+    consumed: bool = False  # turned into a LoadJob
+    released: bool = False
+    lease_lost: bool = False  # a renewal found a lease gone: never load from it
+
+
+@dataclass
+class RequestState:
+    request: Request
+    salt: str  # salt_digest(request.cache_salt)
+    lora_path: str  # the adapter's files ('' for the base model)
+    inputs: tuple[int, int, bool]
+    cacheable: bool
+    generation: int  # the namespace generation ns_ids were resolved for
+    ns_ids: dict[int, bytes] | None = None  # per TP rank, set by the first lookup or save
+    keyers: dict[int, PromptKeyer] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    lookup: Future[LookupOutcome] | None = None
+    lookup_for: int = -1  # vLLM's local hit the lookup in flight (or last done) is for
+    lookup_deadline: float = 0.0
+    gave_up_for: int = -1  # a lookup for this local hit ran past its deadline: answer 0
+    outcome: LookupOutcome | None = None
+    save_from_chunk: int = 0  # chunks before this were hits, not computed here
+    saved_upto: int = 0  # chunks [save_from_chunk, saved_upto) already planned for saving
+    load_tokens: int = 0  # external tokens of the load in flight
+    no_external: bool = False  # a load failed: this request recomputes from here on
+
+    @classmethod
+    def of(cls, request: Request, generation: int) -> RequestState:
+        lora = request.lora_request
+        return cls(
+            request=request,
+            salt=salt_digest(request.cache_salt),
+            lora_path=(getattr(lora, "lora_path", "") or "") if lora else "",
+            inputs=inputs_of(request),
+            cacheable=cacheable(request),
+            generation=generation,
+        )
+
+    def refresh(self, generation: int, chunk_tokens: int) -> bool:
+        """Follow changed inputs or a namespace bump. True when anything was reset (any lookup
+        outcome is then stale: the caller drops it)."""
+        changed = False
+        inputs = inputs_of(self.request)
+        if inputs != self.inputs:
+            self.inputs = inputs
+            self.cacheable = cacheable(self.request)
+            stable = self.request.num_computed_tokens // chunk_tokens
+            with self.lock:
+                for keyer in self.keyers.values():
+                    keyer.truncate(stable)
+            self.saved_upto = min(self.saved_upto, stable)
+            self.save_from_chunk = min(self.save_from_chunk, stable)
+            changed = True
+        if generation != self.generation:
+            self.generation = generation
+            with self.lock:
+                self.ns_ids = None
+                self.keyers = {}
+            changed = True
+        return changed
+
+    def keys(self, rank: int, upto_chunks: int, chunk_tokens: int) -> list[bytes]:
+        """Keys of the first ``upto_chunks`` chunks of the request's tokens (so far)."""
+        with self.lock:
+            keyer = self.keyers[rank]
+            if len(keyer.keys) < upto_chunks:
+                tokens: Any = self.request.all_token_ids
+                keyer.extend(tokens[: upto_chunks * chunk_tokens])
+            return keyer.keys[:upto_chunks]
+
+
+class TierResolver:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        geometry: KvGeometry,
+        identity_of: Callable[[], ModelIdentity],
+        tiers: Tiers,
+        count: Count,
+    ) -> None:
+        self.config = config
+        self.geometry = geometry
+        self._identity_of = identity_of
+        self.pool = tiers.pool
+        self.staging = tiers.staging
+        self._count = count
+        self._adapters = AdapterFingerprints()
+
+    def namespaces(self, state: RequestState) -> dict[int, bytes]:
+        """The request's namespace id per TP rank, registered with the store (by the pool, at
+        most once per namespace). Raises when the store is unreachable or refuses."""
+        if state.ns_ids is not None:
+            return state.ns_ids
+        identity = self._identity_of()
+        lora_fp = self._adapters.of(state.lora_path) if state.lora_path else ""
+        ns_ids = {}
+        for rank in range(identity.tp_size):
+            namespace = identity.namespace(self.geometry, rank, state.salt, lora_fp)
+            ns_ids[rank] = self.pool.namespace_id(namespace, self.geometry.chunk_bytes)
+        with state.lock:
+            if state.ns_ids != ns_ids:
+                chunk = self.geometry.chunk_tokens
+                state.keyers = {r: PromptKeyer(ns, chunk) for r, ns in ns_ids.items()}
+                state.ns_ids = ns_ids
+        return ns_ids
+
+    def resolve(self, state: RequestState, computed: int) -> LookupOutcome:
+        """Tier-first lookup for every TP rank: the pool's run (leased), then each staging
+        tier's run after it, staged into the pool and leased there too."""
+        geo = self.geometry
+        request = state.request
+        first = computed // geo.chunk_tokens
+        total_chunks = request.num_tokens // geo.chunk_tokens
+        outcome = LookupOutcome(computed, first)
+        if total_chunks <= first:
+            return outcome
+        ns_ids = self.namespaces(state)
+        keys = {rank: state.keys(rank, total_chunks, geo.chunk_tokens)[first:] for rank in ns_ids}
+        runs: list[tuple[str, int]] = []  # (tier, chunks) in order
+        try:
+            run = self._lookup_pool(ns_ids, keys, outcome)
+            runs.append((self.pool.name, run))
+            for tier in self.staging:
+                more = self._stage(tier, ns_ids, keys, run, outcome)
+                if not more:
+                    break
+                runs.append((tier.name, more))
+                run += more
+        except KvtierError as exc:
+            if exc.code is ErrorCode.UNKNOWN_NAMESPACE:  # the store forgot it: register anew
+                for ns_id in ns_ids.values():
+                    self.pool.forget_namespace(ns_id)
+                state.ns_ids = None
+            self.release(outcome)
+            raise
+        except BaseException:
+            self.release(outcome)  # leases taken before the failure: give them back now
+            raise
+        # Leave vLLM the prompt's last block to compute, as its own prefix cache does: a sync
+        # load must leave it a token anyway, and an async full hit would have vLLM recompute
+        # the last token alone, which rounds differently from computing the block (same math,
+        # other kernel tiling) - then a hit would not give exactly a recompute's logprobs.
+        cap = (request.num_tokens - 1) // geo.block_size * geo.block_size
+        end = min((first + run) * geo.chunk_tokens, cap)
+        tokens = max(0, end - computed)
+        self._count(C.LOOKUPS, 1)
+        self._count(C.LOOKUP_TOKENS, request.num_tokens - computed)
+        if tokens and tokens < self.config.min_hit_tokens.get("cpu", 0):
+            self._count(C.CPU_SKIPPED_TOKENS, tokens)
+            tokens = 0
+        outcome.tokens = tokens
+        position = first * geo.chunk_tokens
+        for name, chunks in runs:  # which tier each loaded token came from
+            upto = min(position + chunks * geo.chunk_tokens, computed + tokens)
+            if upto > max(position, computed):
+                outcome.sources[name] = upto - max(position, computed)
+            position += chunks * geo.chunk_tokens
+        if not tokens:
+            self.release(outcome)
+        return outcome
+
+    def _lookup_pool(
+        self, ns_ids: dict[int, bytes], keys: dict[int, list[bytes]], outcome: LookupOutcome
+    ) -> int:
+        if "cpu" not in self.config.tiers:
+            return 0
+        for rank, ns_id in ns_ids.items():
+            result = self.pool.lookup(ns_id, keys[rank], self.config.lease_ttl_s)
+            if result.lease_id:
+                outcome.lease_ids.append(result.lease_id)
+            hits = result.hits
+            if self.config.verify_loads:
+                # A chunk whose checksum the store has not computed yet (it does so right
+                # after the commit, off the writer's path) cannot be verified: the run ends
+                # before it, so every chunk loaded is checked.
+                hits = hits[: next((i for i, h in enumerate(hits) if not h.checksum), len(hits))]
+            outcome.hits[rank] = hits
+            outcome.epochs[rank] = result.epoch
+        return min(len(h) for h in outcome.hits.values())
+
+    def _stage(
+        self,
+        tier: Any,
+        ns_ids: dict[int, bytes],
+        keys: dict[int, list[bytes]],
+        run: int,
+        outcome: LookupOutcome,
+    ) -> int:
+        """Stage the run after ``run`` chunks from ``tier`` into the pool (every rank), lease
+        it there. Returns the chunks added to ``outcome`` (0: none, or not worth it)."""
+        if run >= min(len(k) for k in keys.values()):
+            return 0
+        min_chunks = -(-self.config.min_hit_tokens.get(tier.name, 0) // self.geometry.chunk_tokens)
+        staged = []
+        for rank, ns_id in ns_ids.items():
+            result = tier.stage(ns_id, keys[rank][run:], max(1, min_chunks))
+            for counter, value in stage_counters(tier.name, result):
+                self._count(counter, value)
+            staged.append(result.chunks)
+            if not result.chunks:
+                return 0  # every rank needs the run
+        n = min(staged)
+        for rank, ns_id in ns_ids.items():
+            result = self.pool.lookup(ns_id, keys[rank][run : run + n], self.config.lease_ttl_s)
+            if result.lease_id:
+                outcome.lease_ids.append(result.lease_id)
+            if run and outcome.epochs.get(rank, result.epoch) != result.epoch:
+                return 0  # the store restarted between the two lookups: keep the first run
+            outcome.hits[rank] = outcome.hits.get(rank, [])[:run] + result.hits
+            outcome.epochs[rank] = result.epoch
+            n = min(n, len(result.hits))  # evicted here already: keep what is leased
+        return n
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def release(self, outcome: LookupOutcome) -> None:
+        """Give the outcome's leases back now (on the calling thread)."""
+        self.release_ids(take_leases(outcome))
+
+    def release_ids(self, lease_ids: list[int]) -> None:
+        """Quiet: a lease the store no longer knows is already gone."""
+        if not lease_ids:
+            return
+        with contextlib.suppress(KvtierError):
+            self.pool.release(lease_ids)
+
+
+def take_leases(outcome: LookupOutcome) -> list[int]:
+    """Mark the outcome released and return the lease ids to give back (once; [] after)."""
+    if outcome.released:
+        return []
+    outcome.released = True
+    return list(outcome.lease_ids)

@@ -1,0 +1,250 @@
+"""The routing decision, shared by the OpenAI proxy and the Gateway API endpoint picker:
+token ids -> who holds how much of the prompt in which tier (one index query) -> the policy's
+choice among the routable instances.
+
+Coverage per instance (``router.policies.Coverage``, tokens, cumulative): ``gpu`` what the
+index says the instance's GPU holds (plus what the router sent there in the last
+``speculative_s``: engine events lag a burst of the same prefix); ``dram`` adds what its
+node's store holds; ``remote`` adds the best any other node's store holds.
+
+Speculative holdings are kept in this router (keys of prompts it routed, by instance, for a
+few seconds), not written to the index: the index takes writes only from a source's own event
+stream with a cursor. Router replicas therefore learn each other's bursts from the engines'
+events (milliseconds to a second later), not at once.
+
+Threading: ``route`` may run on several threads; the speculative table has a lock, policies
+are called under one (``sticky`` keeps a session table).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from kvtier.chunks import Tier
+from kvtier.index.api import ChunkIndex, LocationKind, Query, QueryResult
+from kvtier.keys import Namespace, prompt_keys
+from kvtier.router.backends import Backend, Backends
+from kvtier.router.policies import Candidate, Coverage, Decision, Policy, RouteRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Routed:
+    backend: Backend
+    decision: Decision
+    candidates: list[Candidate]
+    prompt_tokens: int
+    predicted_cached: int  # tokens the chosen instance holds on GPU or its node (coverage.dram)
+    seconds: float  # the decision's own time (index query + scoring)
+    by_tier: dict[str, int] = field(default_factory=dict)
+
+
+class Speculative:
+    """Chunk keys recently routed to each instance, forgotten after ``ttl_s``."""
+
+    def __init__(self, ttl_s: float, max_keys: int = 1 << 20) -> None:
+        self.ttl_s = ttl_s
+        self.max_keys = max_keys
+        self._keys: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def record(self, keys: Sequence[bytes], backend: str) -> None:
+        if self.ttl_s <= 0:
+            return
+        expires = time.monotonic() + self.ttl_s
+        with self._lock:
+            for key in keys:
+                self._keys[key] = (backend, expires)
+                self._keys.move_to_end(key)
+            while len(self._keys) > self.max_keys:
+                self._keys.popitem(last=False)
+
+    def leading(self, keys: Sequence[bytes], backend: str) -> int:
+        """Leading chunks of ``keys`` routed to ``backend`` within the TTL."""
+        now = time.monotonic()
+        n = 0
+        with self._lock:
+            for key in keys:
+                held = self._keys.get(key)
+                if held is None or held[0] != backend or held[1] < now:
+                    break
+                n += 1
+        return n
+
+
+class RoutingCore:
+    def __init__(
+        self,
+        backends: Backends,
+        policy: Policy,
+        index: ChunkIndex | None = None,
+        speculative_s: float = 3.0,
+        decision_log: Path | None = None,
+    ) -> None:
+        self.backends = backends
+        self.policy = policy
+        self.index = index
+        self.speculative = Speculative(speculative_s)
+        self._policy_lock = threading.Lock()
+        self._namespaces: dict[bytes, Namespace] = {}
+        self._log: IO[str] | None = decision_log.open("a") if decision_log else None
+        self._log_lock = threading.Lock()
+
+    def route(
+        self,
+        token_ids: Sequence[int] | None,
+        prompt_tokens: int,
+        session: str | None = None,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        subset: set[str] | None = None,
+    ) -> Routed:
+        """Choose an instance. ``token_ids`` None: unknown (routing by load only);
+        ``subset``: only these instance names or URLs may be chosen. Raises ``NoBackend``."""
+        start = time.perf_counter()
+        backends = self.backends.routable(exclude)
+        if subset is not None:
+            backends = [b for b in backends if b.name in subset or _hostport(b.url) in subset]
+            if not backends:
+                from kvtier.router.backends import NoBackend
+
+                raise NoBackend(False, "no healthy instance in the requested subset")
+        coverage, keys_of = self._coverage(backends, token_ids)
+        candidates = [
+            Candidate(b.name, b.load(), coverage.get(b.name, Coverage())) for b in backends
+        ]
+        with self._policy_lock:
+            decision = self.policy.choose(RouteRequest(prompt_tokens, session), candidates)
+        chosen = backends[decision.index]
+        keys = keys_of.get(chosen.namespace or b"")
+        if keys:
+            self.speculative.record(keys, chosen.name)
+        cov = candidates[decision.index].coverage
+        return Routed(
+            chosen,
+            decision,
+            candidates,
+            prompt_tokens,
+            predicted_cached=min(cov.dram, prompt_tokens),
+            seconds=time.perf_counter() - start,
+            by_tier={"gpu": cov.gpu, "dram": cov.dram - cov.gpu, "remote": cov.remote - cov.dram},
+        )
+
+    # -- coverage ----------------------------------------------------------------------------
+
+    def _coverage(
+        self, backends: Sequence[Backend], token_ids: Sequence[int] | None
+    ) -> tuple[dict[str, Coverage], dict[bytes, list[bytes]]]:
+        out: dict[str, Coverage] = {}
+        keys_of: dict[bytes, list[bytes]] = {}
+        if token_ids is None or self.index is None:
+            return out, keys_of
+        namespaces = sorted({b.namespace for b in backends if b.namespace is not None})
+        if not namespaces:
+            return out, keys_of
+        for ns in namespaces:
+            namespace = self._namespace(ns)
+            if namespace is not None:  # keys here: 16 bytes a chunk on the wire, not 4 a token
+                keys_of[ns] = prompt_keys(namespace, token_ids)
+        queries = [
+            Query(ns, keys=keys_of[ns]) if ns in keys_of else Query(ns, tokens=token_ids)
+            for ns in namespaces
+        ]
+        try:
+            results = self.index.query(queries)
+        except Exception as exc:  # an index outage makes routing load-only, never an error
+            log.debug("router: index query failed: %s", exc)
+            results = []
+        by_ns = {r.ns_id: r for r in results}
+        for b in backends:
+            if b.namespace is None:
+                continue
+            chunk = self._chunk_tokens(b.namespace)
+            result = by_ns.get(b.namespace)
+            gpu, dram, remote = _runs(result, b) if result is not None else (0, 0, 0)
+            keys = keys_of.get(b.namespace)
+            if keys:
+                gpu = max(gpu, self.speculative.leading(keys, b.name))
+            dram, remote = max(dram, gpu), max(remote, dram, gpu)
+            n = len(token_ids)
+            out[b.name] = Coverage(
+                min(gpu * chunk, n), min(dram * chunk, n), min(remote * chunk, n)
+            )
+        return out, keys_of
+
+    def _namespace(self, ns_id: bytes) -> Namespace | None:
+        namespace = self._namespaces.get(ns_id)
+        if namespace is None and self.index is not None:
+            try:
+                known = self.index.namespaces()
+            except Exception:
+                return None
+            self._namespaces.update({k: v for k, v in known.items() if v is not None})
+            namespace = self._namespaces.get(ns_id)
+        return namespace
+
+    def _chunk_tokens(self, ns_id: bytes) -> int:
+        namespace = self._namespace(ns_id)
+        return namespace.chunk_tokens if namespace is not None else 256
+
+    # -- decision log ------------------------------------------------------------------------
+
+    def log_decision(self, routed: Routed, outcome: dict[str, Any]) -> None:
+        if self._log is None:
+            return
+        record = {
+            "t": time.time(),
+            "chosen": routed.backend.name,
+            "reason": routed.decision.reason,
+            "policy": self.policy.name,
+            "prompt_tokens": routed.prompt_tokens,
+            "decision_ms": round(routed.seconds * 1e3, 3),
+            "candidates": [
+                {
+                    "name": c.name,
+                    "score": routed.decision.scores[i] if routed.decision.scores else None,
+                    "gpu": c.coverage.gpu,
+                    "dram": c.coverage.dram,
+                    "remote": c.coverage.remote,
+                    "pending": c.load.pending_prefill_tokens,
+                    "running": c.load.running,
+                }
+                for i, c in enumerate(routed.candidates)
+            ],
+            **outcome,
+        }
+        with self._log_lock:
+            self._log.write(json.dumps(record) + "\n")
+            self._log.flush()
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+
+
+def _runs(result: QueryResult, backend: Backend) -> tuple[int, int, int]:
+    """(GPU run of the instance, DRAM run on its node, best DRAM run anywhere) in chunks."""
+    gpu = dram = remote = 0
+    for holding in result.holdings:
+        if holding.location == backend.name:
+            gpu = max(gpu, holding.runs.get(Tier.GPU, 0))
+            dram = max(dram, holding.runs.get(Tier.CPU, 0))  # the instance's own offload
+        elif holding.kind is LocationKind.NODE:
+            run = holding.runs.get(Tier.CPU, 0)
+            if backend.node and holding.location == backend.node:  # a store's name: its node
+                dram = max(dram, run)
+            else:
+                remote = max(remote, run)
+    return gpu, dram, remote
+
+
+def _hostport(url: str) -> str:
+    return url.split("://", 1)[-1].rstrip("/")

@@ -1,0 +1,705 @@
+"""``kvtier router epp``: the Gateway API Inference Extension's endpoint picker (EPP) over the
+router's scoring core. Kubernetes gateways (Envoy-based: Istio, Envoy Gateway, kgateway, GKE)
+send each request of an ``InferencePool`` through it as an Envoy ext_proc gRPC stream; it
+answers which pod serves the request, and the gateway forwards it there. The decision is the
+one ``kvtier router serve`` makes (``RoutingCore``: one index query, the policy), and the
+request is tokenized as the HTTP proxy does (``Proxy.prompt_ids``: in process with
+``router.model``, else an instance's ``/tokenize``).
+
+The protocol (the extension's proposal 004-endpoint-picker-protocol, docs/router.md):
+
+- one ``Process`` stream per HTTP request: ``request_headers``, ``request_body`` chunks,
+  then (if the gateway sends them) ``response_headers``/``response_body``/trailers;
+- ``FULL_DUPLEX_STREAMED`` bodies (what the extension's gateways configure): nothing is
+  answered until the body is whole; then a ``request_headers`` response carrying the header
+  mutation, followed by the body streamed back (``streamed_response``, 62 kB chunks);
+  ``BUFFERED``: the headers are answered at once (CONTINUE) and the mutation rides on the
+  ``request_body`` response. The mode comes from the stream's ``protocol_config`` when Envoy
+  sends it, else ``router.epp_body_mode``;
+- the pick: header ``x-gateway-destination-endpoint: <ip:port>`` (plus ``router.epp_fallbacks``
+  more, comma-separated) and the same value in dynamic metadata
+  ``envoy.lb/x-gateway-destination-endpoint``, with ``clear_route_cache``;
+- ``envoy.lb.subset_hint/x-gateway-destination-endpoint-subset`` in the request's filter
+  metadata: only those ``ip:port``s may be picked (none of them eligible, or empty: 503);
+- nothing to pick: ``ImmediateResponse`` 503 (none healthy) or 429 (all at
+  ``max_in_flight``); a body that is not JSON, or a prompt the proxy would refuse: 400; over
+  ``max_body_bytes``: 413; with credentials configured, a request without a token allowed to
+  route: 401/403 (the token is checked from the request's ``Authorization`` header, as the
+  proxy does, and removed before the request goes upstream);
+- ``envoy.lb/x-gateway-destination-endpoint-served`` in a response's metadata: the gateway
+  fell back to another endpoint; the load accounting moves there. A 5xx response status
+  ejects the instance that answered it, as in the proxy.
+
+Load accounting: a pick counts as dispatched until its stream ends (or its response body
+ends); the first response body chunk counts as the first token. Health: ``grpc.health.v1``
+on the same port (and ``router.epp_health_port``): ``liveness`` always SERVING; ``""``,
+``readiness``, ``envoy.service.ext_proc.v3.ExternalProcessor`` and ``inference-extension``
+SERVING while some instance is healthy (all saturated still counts: requests get 429).
+
+Threading: one asyncio loop (grpc.aio) serves every stream; routing and tokenizing run in
+worker threads (``asyncio.to_thread``), as in the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+import httpx
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from kvtier.auth import Authenticator, Permission, bearer
+from kvtier.config import KvtierConfig
+from kvtier.config_auth import TlsConfig
+from kvtier.config_router import RouterConfig
+from kvtier.errors import ErrorCode, KvtierError
+from kvtier.index.api import ChunkIndex
+from kvtier.router.backends import Backend, Backends, NoBackend
+from kvtier.router.core import Routed, RoutingCore
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.proxy import Proxy
+from kvtier.router.service import Loops, make_router_policy
+from kvtier.router.tokenize import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET = "x-gateway-destination-endpoint-subset"
+BODY_CHUNK = 62_000  # bytes per streamed body chunk (some Envoy builds cap a chunk at 64 kB)
+READY_SERVICES = (
+    "",
+    "readiness",
+    "envoy.service.ext_proc.v3.ExternalProcessor",
+    "inference-extension",
+)
+LIVENESS = "liveness"
+HEALTH_S = 0.5  # how often health follows the instances' state
+
+_Mode = processing_mode_pb2.ProcessingMode
+_SET = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Refused(Exception):
+    """The request gets an ImmediateResponse with this status instead of an endpoint."""
+
+    def __init__(
+        self, status: int, message: str, kind: str, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.retry_after = status, message, kind, retry_after
+
+
+def endpoint_of(url: str) -> str:
+    """``ip:port`` of an instance's base URL (what the gateway dials)."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _is_ip(endpoint: str) -> bool:
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _api(path: str) -> str | None:
+    """Which OpenAI generation API a request path is (the proxy's two), if any."""
+    path = path.split("?", 1)[0].rstrip("/")
+    if path.endswith("/chat/completions"):
+        return "/v1/chat/completions"
+    if path.endswith("/completions"):
+        return "/v1/completions"
+    return None
+
+
+def _header_value(header: Any) -> str:
+    raw: bytes = header.raw_value
+    return raw.decode("utf-8", "replace") if raw else str(header.value)
+
+
+def _set_header(key: str, value: str) -> Any:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_SET
+    )
+
+
+def immediate(
+    status: int, message: str, kind: str, retry_after: float | None = None
+) -> pb.ProcessingResponse:
+    """An answer the gateway sends the client itself (the proxy's JSON error body)."""
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}})
+    headers = [_set_header("content-type", "application/json")]
+    if retry_after:
+        headers.append(_set_header("retry-after", str(max(1, round(retry_after)))))
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=pb.HeaderMutation(set_headers=headers),
+            body=body.encode(),
+            details=f"kvtier_epp_{kind}",
+        )
+    )
+
+
+def _subset(metadata: Any) -> set[str] | None:
+    """The subset hint's ``ip:port``s (a list, or a comma-separated string); None: no hint."""
+    if SUBSET_NAMESPACE not in metadata.filter_metadata:
+        return None
+    hint = metadata.filter_metadata[SUBSET_NAMESPACE]
+    if SUBSET not in hint.fields:
+        return None
+    value = hint.fields[SUBSET]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        items = [v.string_value for v in value.list_value.values]
+    elif kind == "string_value":
+        items = value.string_value.split(",")
+    else:
+        items = []
+    return {i.strip() for i in items if i.strip()}
+
+
+def _served(metadata: Any) -> str | None:
+    if LB_NAMESPACE not in metadata.filter_metadata:
+        return None
+    fields = metadata.filter_metadata[LB_NAMESPACE].fields
+    if SERVED not in fields:
+        return None
+    value: str = fields[SERVED].string_value
+    return value.split(",")[0].strip() or None
+
+
+def _body_responses(body: bytes, request: bool, end_of_stream: bool = True) -> list[Any]:
+    """``body`` streamed back in FULL_DUPLEX_STREAMED mode, in chunks Envoy accepts."""
+    chunks = [body[i : i + BODY_CHUNK] for i in range(0, len(body), BODY_CHUNK)] or [b""]
+    out = []
+    for i, chunk in enumerate(chunks):
+        streamed = pb.StreamedBodyResponse(
+            body=chunk, end_of_stream=end_of_stream and i == len(chunks) - 1
+        )
+        common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
+        answer = pb.BodyResponse(response=common)
+        out.append(
+            pb.ProcessingResponse(request_body=answer)
+            if request
+            else pb.ProcessingResponse(response_body=answer)
+        )
+    return out
+
+
+@dataclass
+class _Exchange:
+    """One HTTP request's ext_proc stream."""
+
+    duplex_request: bool  # FULL_DUPLEX_STREAMED request body: answer after the whole body
+    duplex_response: bool
+    body_expected: bool = True  # False: request_body_mode NONE, pick on the headers
+    headers: dict[str, str] = field(default_factory=dict)
+    subset: set[str] | None = None
+    body: bytearray = field(default_factory=bytearray)
+    routed: Routed | None = None
+    backend: Backend | None = None
+    prompt_tokens: int = 0
+    got_first: bool = False
+    outcome: str = "stream closed"
+    released: bool = False
+
+    def configure(self, config: Any) -> None:
+        """Envoy's own statement of its processing modes (first message of the stream)."""
+        self.duplex_request = config.request_body_mode == _Mode.FULL_DUPLEX_STREAMED
+        self.body_expected = config.request_body_mode != _Mode.NONE
+        self.duplex_response = config.response_body_mode == _Mode.FULL_DUPLEX_STREAMED
+
+
+class EndpointPicker(pb_grpc.ExternalProcessorServicer):
+    """The ext_proc servicer: one ``Process`` stream per HTTP request."""
+
+    def __init__(
+        self,
+        core: RoutingCore,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        prompts: Proxy,
+        authenticator: Authenticator | None = None,
+        on_route: Any = None,
+    ) -> None:
+        """``prompts``: the HTTP proxy, used for its tokenization only (``prompt_ids``);
+        ``on_route``: called with whether the last decision found an instance (health)."""
+        self.core = core
+        self.backends = core.backends
+        self.config = config
+        self.metrics = metrics
+        self.prompts = prompts
+        self.authenticator = authenticator
+        self.on_route = on_route
+        self._warned: set[str] = set()
+
+    async def Process(
+        self, request_iterator: AsyncIterator[Any], context: Any
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        duplex = self.config.epp_body_mode == "full-duplex"
+        ex = _Exchange(duplex_request=duplex, duplex_response=duplex)
+        try:
+            async for request in request_iterator:
+                if request.HasField("protocol_config"):
+                    ex.configure(request.protocol_config)
+                if request.HasField("metadata_context"):
+                    subset = _subset(request.metadata_context)
+                    if subset is not None:
+                        ex.subset = subset
+                    self._follow_served(ex, request.metadata_context)
+                try:
+                    answers = await self._handle(ex, request)
+                except Refused as exc:
+                    self.metrics.rejected.labels(str(exc.status)).inc()
+                    ex.outcome = f"refused {exc.status}"
+                    yield immediate(exc.status, exc.message, exc.kind, exc.retry_after)
+                    return  # the gateway answers the client; nothing more on this stream
+                if request.observability_mode:
+                    continue  # the gateway expects no answers (it cannot be routed either)
+                for answer in answers:
+                    yield answer
+        finally:
+            self._release(ex)
+
+    # -- messages ----------------------------------------------------------------------------
+
+    async def _handle(self, ex: _Exchange, request: Any) -> list[Any]:
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            return await self._request_headers(ex, request.request_headers)
+        if kind == "request_body":
+            return await self._request_body(ex, request.request_body)
+        if kind == "request_trailers":
+            answers: list[Any] = []
+            if ex.routed is None and ex.duplex_request:  # the body ended with the trailers
+                answers = await self._pick(ex, bytes(ex.body), end_of_stream=False)
+            return [*answers, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if kind == "response_headers":
+            return [self._response_headers(ex, request.response_headers)]
+        if kind == "response_body":
+            return self._response_body(ex, request.response_body)
+        if kind == "response_trailers":
+            self._finish(ex, "ok")
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    async def _request_headers(self, ex: _Exchange, msg: Any) -> list[Any]:
+        ex.headers = {h.key.lower(): _header_value(h) for h in msg.headers.headers}
+        self._authorize(ex.headers)
+        if msg.end_of_stream or not ex.body_expected:  # no body to route by (a GET, ...)
+            return await self._pick(ex, None)
+        if ex.duplex_request:
+            return []  # answered with the pick, once the body is whole
+        common = pb.CommonResponse(header_mutation=self._strip())
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))]
+
+    async def _request_body(self, ex: _Exchange, msg: Any) -> list[Any]:
+        if ex.routed is not None:  # picked already (mode NONE said no body, yet one came)
+            return (
+                _body_responses(bytes(msg.body), True, msg.end_of_stream)
+                if ex.duplex_request
+                else [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+            )
+        ex.body += msg.body
+        if len(ex.body) > self.config.max_body_bytes:
+            raise Refused(413, f"body over {self.config.max_body_bytes} bytes", "invalid_request")
+        if msg.end_of_stream:
+            return await self._pick(ex, bytes(ex.body))
+        if ex.duplex_request:
+            return []
+        return [pb.ProcessingResponse(request_body=pb.BodyResponse())]  # STREAMED: go on
+
+    def _response_headers(self, ex: _Exchange, msg: Any) -> Any:
+        status = next((_header_value(h) for h in msg.headers.headers if h.key == ":status"), "")
+        failed = ex.backend is not None and status.isdigit() and int(status) >= 500
+        if failed and ex.backend is not None and self.backends.eject(ex.backend, f"http {status}"):
+            self.metrics.ejections.labels("request").inc()
+        if msg.end_of_stream:
+            self._finish(ex, "ok")
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+
+    def _response_body(self, ex: _Exchange, msg: Any) -> list[Any]:
+        if not ex.got_first and ex.backend is not None:
+            ex.got_first = True
+            self.backends.first_token(ex.backend, ex.prompt_tokens)
+        if msg.end_of_stream:
+            self._finish(ex, "ok")
+        if ex.duplex_response:
+            return _body_responses(bytes(msg.body), False, msg.end_of_stream)
+        return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+
+    # -- the pick ----------------------------------------------------------------------------
+
+    async def _pick(
+        self, ex: _Exchange, raw: bytes | None, end_of_stream: bool = True
+    ) -> list[Any]:
+        ids, forward, session = await self._prompt(ex, raw)
+        prompt_tokens = len(ids) if ids is not None else max(1, len(raw or b"") // 4)
+        subset = None
+        if ex.subset is not None:  # ip:port as the gateway writes it, or an instance's name
+            known = {b.name for b in self.backends.all() if endpoint_of(b.url) in ex.subset}
+            subset = ex.subset | known
+        try:
+            routed = await asyncio.to_thread(
+                self.core.route, ids, prompt_tokens, session, frozenset(), subset
+            )
+        except NoBackend as exc:
+            if self.on_route is not None:
+                self.on_route(exc.saturated)
+            status = 429 if exc.saturated else 503
+            kind = "rate_limit_exceeded" if exc.saturated else "service_unavailable"
+            raise Refused(status, str(exc), kind, retry_after=self.config.eject_s / 2) from exc
+        if self.on_route is not None:
+            self.on_route(True)
+        self.metrics.decision.observe(routed.seconds)
+        self.metrics.decisions.labels(self.core.policy.name, routed.decision.reason).inc()
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.predicted_cached.inc(routed.predicted_cached)
+        ex.routed, ex.backend, ex.prompt_tokens = routed, routed.backend, prompt_tokens
+        self.backends.dispatched(routed.backend, prompt_tokens)
+
+        value = ",".join(self._endpoints(routed))
+        metadata = struct_pb2.Struct()
+        metadata.update({LB_NAMESPACE: {DESTINATION: value}})
+        mutation = self._strip()
+        mutation.set_headers.append(_set_header(DESTINATION, value))
+        body = raw if forward is None else forward
+        if raw is None:  # picked on the headers
+            common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+            return [
+                pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
+                )
+            ]
+        if ex.duplex_request:
+            # the body goes back through us: its length is ours to state (Envoy drops it)
+            mutation.set_headers.append(_set_header("content-length", str(len(body or b""))))
+            common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+            head = pb.ProcessingResponse(
+                request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
+            )
+            return [head, *_body_responses(body or b"", True, end_of_stream)]
+        # BUFFERED: the headers went on already; the mutation rides on the body's answer
+        common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+        if forward is not None:
+            mutation.set_headers.append(_set_header("content-length", str(len(forward))))
+            common.body_mutation.body = forward
+        return [
+            pb.ProcessingResponse(
+                request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
+            )
+        ]
+
+    async def _prompt(
+        self, ex: _Exchange, raw: bytes | None
+    ) -> tuple[list[int] | None, bytes | None, str | None]:
+        """(token ids, body to forward if changed, session), as the proxy reads a request."""
+        session: str | None = ex.headers.get(self.config.session_header.lower()) or None
+        if raw is None:
+            return None, None, session
+        api = _api(ex.headers.get(":path", ""))
+        if api is None and "json" not in ex.headers.get("content-type", ""):
+            return None, None, session  # not an API we tokenize: route by load
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            user = body.get("user")
+            session = session or (user if isinstance(user, str) and user else None)
+            if api is None:
+                return None, None, session
+            ids, forward = await self.prompts.prompt_ids(api, body, session)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise Refused(400, f"bad request: {exc}", "invalid_request_error") from exc
+        except Exception as exc:  # a template the tokenizer cannot render, ...
+            raise Refused(
+                400, f"cannot tokenize this request: {exc!r}", "invalid_request_error"
+            ) from exc
+        return ids, (json.dumps(forward).encode() if forward is not body else None), session
+
+    def _endpoints(self, routed: Routed) -> list[str]:
+        chosen = endpoint_of(routed.backend.url)
+        out = [chosen]
+        if self.config.epp_fallbacks:
+            scores = routed.decision.scores
+            order = sorted(
+                (i for i in range(len(routed.candidates)) if i != routed.decision.index),
+                key=lambda i: (scores[i] if len(scores) == len(routed.candidates) else 0.0, i),
+            )
+            urls = {b.name: b.url for b in self.backends.all()}
+            for i in order[: self.config.epp_fallbacks]:
+                url = urls.get(routed.candidates[i].name)
+                if url is not None:
+                    out.append(endpoint_of(url))
+        if not _is_ip(chosen) and chosen not in self._warned:
+            self._warned.add(chosen)
+            log.warning(
+                "router epp: %s is not an ip:port; gateways dial the pod IP the InferencePool "
+                "selects (announce instance_api as http://<pod IP>:<port>)",
+                chosen,
+            )
+        return out
+
+    # -- credentials, accounting --------------------------------------------------------------
+
+    def _authorize(self, headers: dict[str, str]) -> None:
+        if self.authenticator is None or not self.authenticator.enabled:
+            return
+        try:
+            principal = self.authenticator.principal(bearer(headers.get("authorization")))
+            principal.require(Permission.ROUTE, "send requests through the router")
+        except KvtierError as exc:
+            status = 401 if exc.code is ErrorCode.UNAUTHENTICATED else 403
+            raise Refused(status, exc.message, "authentication_error") from exc
+
+    def _strip(self) -> Any:
+        """The request's own token is ours, not the instance's: it does not go upstream."""
+        if self.authenticator is not None and self.authenticator.enabled:
+            return pb.HeaderMutation(remove_headers=["authorization"])
+        return pb.HeaderMutation()
+
+    def _follow_served(self, ex: _Exchange, metadata: Any) -> None:
+        """The gateway went down our list: account the request to the one that served it."""
+        served = _served(metadata)
+        if served is None or ex.backend is None or ex.released:
+            return
+        if endpoint_of(ex.backend.url) == served:
+            return
+        other = next((b for b in self.backends.all() if endpoint_of(b.url) == served), None)
+        if other is None:
+            return
+        self.backends.finished(ex.backend, ex.prompt_tokens, ex.got_first)
+        self.backends.dispatched(other, ex.prompt_tokens)
+        ex.backend = other
+
+    def _finish(self, ex: _Exchange, outcome: str) -> None:
+        ex.outcome = outcome
+        self._release(ex)
+
+    def _release(self, ex: _Exchange) -> None:
+        if ex.released or ex.backend is None or ex.routed is None:
+            return
+        ex.released = True
+        self.backends.finished(ex.backend, ex.prompt_tokens, ex.got_first)
+        self.core.log_decision(
+            ex.routed,
+            {"outcome": ex.outcome, "front": "epp", "endpoint": endpoint_of(ex.backend.url)},
+        )
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+class Epp:
+    """An endpoint picker: instances, routing core, servicer, health and background loops,
+    built as ``router.service.build`` builds the proxy's. Start it on a running loop."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        index: ChunkIndex | None,
+        probes: bool = True,
+        authenticator: Authenticator | None = None,
+    ) -> None:
+        """``probes`` False: no background loops (refresh, scrape, probe), for tests."""
+        self.config = config
+        self.probes = probes
+        self.backends = Backends(config, index)
+        self.backends.refresh()
+        self.metrics = RouterMetrics()
+        tokenizer = PromptTokenizer(config.model) if config.model else None
+        self.core = RoutingCore(
+            self.backends,
+            make_router_policy(config),
+            index,
+            config.speculative_s,
+            config.decision_log,
+        )
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(
+            connect=config.connect_timeout_s, read=config.probe_timeout_s, write=60, pool=None
+        )
+        self.client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        # the proxy is used for its tokenization only (/tokenize through self.client)
+        prompts = Proxy(self.core, config, self.metrics, self.client, tokenizer, None)
+        self.health = health_aio.HealthServicer()
+        self.picker = EndpointPicker(
+            self.core, config, self.metrics, prompts, authenticator, on_route=self._routed
+        )
+        self._servers: list[grpc.aio.Server] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready: bool | None = None
+
+    async def start(
+        self,
+        host: str,
+        port: int,
+        health_port: int | None = None,
+        tls: TlsConfig | None = None,
+    ) -> tuple[int, int | None]:
+        """Serve; returns (ext_proc port, health-only port or None). Port 0 picks one."""
+        limit = self.config.max_body_bytes + (1 << 20)  # a BUFFERED body is one message
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.picker, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        address = f"{host}:{port}"
+        if tls is not None and tls.cert_file is not None and tls.key_file is not None:
+            creds = grpc.ssl_server_credentials(
+                [(tls.key_file.read_bytes(), tls.cert_file.read_bytes())],
+                root_certificates=tls.ca_file.read_bytes() if tls.ca_file else None,
+                require_client_auth=tls.ca_file is not None,
+            )
+            bound = server.add_secure_port(address, creds)
+        else:
+            bound = server.add_insecure_port(address)
+        if not bound:
+            raise KvtierError(ErrorCode.UNAVAILABLE, f"cannot listen on {address}")
+        self._servers.append(server)
+        health_bound: int | None = None
+        if health_port is not None:
+            probe = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, probe)
+            health_bound = probe.add_insecure_port(f"{host}:{health_port}")
+            if not health_bound:
+                raise KvtierError(ErrorCode.UNAVAILABLE, f"cannot listen on {host}:{health_port}")
+            self._servers.append(probe)
+        await self.health.set(LIVENESS, _SERVING)
+        await self.update_health()
+        for s in self._servers:
+            await s.start()
+        self._tasks.append(asyncio.create_task(self._follow_health()))
+        if self.probes:
+            loops = Loops(self.backends, self.config, self.metrics, self.client)
+            self._tasks.append(asyncio.create_task(loops.run()))
+        return bound, health_bound
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.gather(*(s.stop(grace) for s in self._servers))
+        await self.client.aclose()
+        self.core.close()
+
+    def ready(self) -> bool:
+        """Some instance is healthy (all of them saturated still is: requests get 429)."""
+        try:
+            self.backends.routable()
+        except NoBackend as exc:
+            return exc.saturated
+        return True
+
+    async def update_health(self) -> None:
+        ready = self.ready()
+        if ready == self._ready:
+            return
+        self._ready = ready
+        for service in READY_SERVICES:
+            await self.health.set(service, _SERVING if ready else _NOT_SERVING)
+
+    def _routed(self, found: bool) -> None:
+        if found != self._ready:
+            asyncio.get_running_loop().create_task(self.update_health())
+
+    async def _follow_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_S)
+            await self.update_health()
+
+
+class EppServer:
+    """An ``Epp`` on its own event loop in a background thread (tests, embedding)."""
+
+    def __init__(self, epp: Epp, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.epp = epp
+        self.host, self._port = host, port
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvtier-epp", daemon=True
+        )
+
+    def start(self, timeout: float = 10.0) -> int:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(self.epp.start(self.host, self._port), self._loop)
+        self.port = future.result(timeout)[0]
+        return self.port
+
+    def stop(self) -> None:
+        future = asyncio.run_coroutine_threadsafe(self.epp.stop(0.5), self._loop)
+        try:
+            future.result(10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+
+def serve(config: KvtierConfig) -> None:
+    """Run the endpoint picker until SIGINT/SIGTERM. Prints a JSON ready line."""
+    from kvtier.auth import check_exposure
+    from kvtier.index.client import connect as connect_index
+    from kvtier.rpc import ClientAuth
+
+    rc = config.router
+    # It decides where GPU time goes: off loopback it needs credentials (requests then carry
+    # a client token, checked here) or mTLS.
+    check_exposure("kvtier router epp", [rc.epp_host], config.auth)
+    auth = ClientAuth.from_config(config.auth)
+    index = connect_index(config.index, auth) if config.index.address else None
+    epp = Epp(rc, index, authenticator=Authenticator(config.auth))
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        port, health_port = await epp.start(
+            rc.epp_host, rc.epp_port, rc.epp_health_port, config.auth.tls
+        )
+        ready: dict[str, Any] = {
+            "event": "ready",
+            "grpc": f"{rc.epp_host}:{port}",
+            "policy": rc.policy,
+            "backends": len(epp.backends),
+        }
+        if health_port is not None:
+            ready["health"] = f"{rc.epp_host}:{health_port}"
+        print(json.dumps(ready), flush=True)
+        await stop.wait()
+        await epp.stop(grace=5.0)
+
+    asyncio.run(main())

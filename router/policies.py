@@ -1,0 +1,328 @@
+"""Routing policies: which instance serves a request. One implementation, two users: the
+router (``kvtier router serve``, ``kvtier router epp``) and the trace simulator (``kvtier
+trace simulate``), so a policy tuned on traces is deployed unchanged.
+
+A policy sees each request as ``RouteRequest`` (its length in tokens, its session) and the
+instances it may use as ``Candidate``s: their load and how much of the prompt each can read
+from where (``Coverage``, cumulative by tier). It returns a ``Decision`` naming one of them,
+why, and every candidate's score (for the decision log).
+
+- ``round-robin``: in turn, blind to caches and load.
+- ``least-load``: fewest pending prefill tokens, then fewest running requests.
+- ``sticky``: a session stays where its first turn went, unless that instance's load exceeds
+  ``overload_factor`` (2) x the average: then it moves to the least loaded one.
+- ``cache-aware``: the longest cached prefix (GPU, DRAM at ``dram_credit``), ties by load.
+  Affinity alone: a hot shared prefix piles everything onto one instance.
+- ``lmetric``: score = (pending prefill tokens + this request's uncached tokens) x (running
+  requests + 1), lowest wins. Counting only uncached tokens is a soft affinity.
+- ``hybrid``: lmetric, plus an affinity gate: stay on the instance whose GPU holds more than
+  half the prompt unless it is overloaded (load > ``overload_factor`` x average).
+- ``kvtier``: lmetric where a token costs what loading it from its cheapest tier costs: 0 in
+  the instance's GPU, (1 - kappa) of a recompute in its node's DRAM or another node's pool,
+  with kappa measured per tier and length (``TierCosts``). A prefix in any node store is warm
+  everywhere, so load decides and a shared system prompt stops being a hot spot; leaving the
+  GPU holder costs a fetch, not a recompute, and the gate compares exactly that.
+
+Ties always break by name, so replicas of the router agree. Not thread-safe: a router calls a
+policy from one thread (or under a lock); ``sticky`` keeps a session table.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Leading tokens of the prompt an instance can read without recomputing, cumulative:
+    ``gpu`` from its own GPU cache, ``dram`` from that or its node's DRAM pool (>= gpu),
+    ``remote`` from those or any other node's pool (>= dram)."""
+
+    gpu: int = 0
+    dram: int = 0
+    remote: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gpu <= self.dram <= self.remote:
+            raise ValueError(f"coverage must be cumulative: {self}")
+
+
+@dataclass(frozen=True)
+class Load:
+    pending_prefill_tokens: float = 0.0  # prompt tokens admitted but not yet prefilled
+    running: int = 0  # requests in flight (prefilling or decoding)
+    waiting: int = 0  # queued in the engine (scraped)
+    kv_usage: float = 0.0  # GPU KV cache fill, 0..1 (scraped)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    load: Load = field(default_factory=Load)
+    coverage: Coverage = field(default_factory=Coverage)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    tokens: int  # prompt length
+    session: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    index: int  # into the candidates
+    reason: str  # "score", "affinity", "sticky", "overloaded", "round-robin", ...
+    scores: tuple[float, ...] = ()  # per candidate, lower is better (policy's own unit)
+
+
+# kappa: the share of a recompute a tier saves, (t_miss - t_tier) / (t_miss - t_gpu), by
+# prompt length. Defaults: the reference tier latencies (../shared/docs/router-anchors.md);
+# `kvtier bench tier-latency --kappa-out` measures them on the deployment's hardware.
+DEFAULT_KAPPA: Mapping[str, Mapping[int, float]] = {
+    "dram": {1024: 0.58, 8192: 0.96, 32768: 0.98},
+    "remote": {1024: 0.47, 8192: 0.82, 32768: 0.87},
+}
+
+
+class TierCosts:
+    """kappa per tier, interpolated in log(length) between measured points and held flat
+    beyond them; a tier slower than recompute has kappa 0 (never negative)."""
+
+    def __init__(self, kappa: Mapping[str, Mapping[int, float]] | None = None) -> None:
+        table = kappa if kappa is not None else DEFAULT_KAPPA
+        self._points: dict[str, tuple[list[float], list[float]]] = {}
+        for tier, points in table.items():
+            lengths = sorted(points)
+            if not lengths or lengths[0] <= 0:
+                raise ValueError(f"kappa[{tier}]: lengths must be positive")
+            values = [min(1.0, max(0.0, points[n])) for n in lengths]
+            self._points[tier] = ([math.log(n) for n in lengths], values)
+
+    def kappa(self, tier: str, tokens: int) -> float:
+        points = self._points.get(tier)
+        if points is None:
+            return 0.0
+        xs, ys = points
+        x = math.log(max(tokens, 1))
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return ys[0]
+        if i == len(xs):
+            return ys[-1]
+        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + t * (ys[i] - ys[i - 1])
+
+    def uncached(self, coverage: Coverage, tokens: int) -> float:
+        """Recompute-equivalent tokens the instance must spend on this prompt."""
+        gpu = min(coverage.gpu, tokens)
+        dram = min(coverage.dram, tokens)
+        remote = min(coverage.remote, tokens)
+        return (
+            (dram - gpu) * (1 - self.kappa("dram", tokens))
+            + (remote - dram) * (1 - self.kappa("remote", tokens))
+            + (tokens - remote)
+        )
+
+
+class Policy(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """Pick one of ``candidates`` (non-empty, all routable) for ``request``."""
+
+
+def _argmin(keys: Sequence[tuple[float | int | str, ...]]) -> int:
+    return min(range(len(keys)), key=keys.__getitem__)
+
+
+def _load_key(c: Candidate) -> tuple[float, int]:
+    return c.load.pending_prefill_tokens, c.load.running
+
+
+def _overloaded(c: Candidate, candidates: Sequence[Candidate], factor: float) -> bool:
+    """Load (pending prefill tokens, else running requests) above ``factor`` x the average."""
+    pending = [x.load.pending_prefill_tokens for x in candidates]
+    if sum(pending) > 0:
+        return c.load.pending_prefill_tokens > factor * (sum(pending) / len(pending))
+    running = [x.load.running for x in candidates]
+    return sum(running) > 0 and c.load.running > factor * (sum(running) / len(running))
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        i = self._next % len(candidates)
+        self._next += 1
+        return Decision(i, "round-robin")
+
+
+class LeastLoad(Policy):
+    name = "least-load"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        keys = [(*_load_key(c), c.name) for c in candidates]
+        return Decision(_argmin(keys), "least-load", tuple(float(k[0]) for k in keys))
+
+
+class Sticky(Policy):
+    """Session-sticky with the reference's overload override. Remembers ``max_sessions``
+    sessions (least recently used forgotten first)."""
+
+    name = "sticky"
+
+    def __init__(self, overload_factor: float = 2.0, max_sessions: int = 1 << 20) -> None:
+        self.overload_factor = overload_factor
+        self.max_sessions = max_sessions
+        self._home: OrderedDict[str, str] = OrderedDict()
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        least = LeastLoad().choose(request, candidates)
+        if request.session is None:
+            return Decision(least.index, "no-session", least.scores)
+        home = self._home.get(request.session)
+        names = [c.name for c in candidates]
+        reason = "new-session"
+        if home is not None and home in names:
+            i = names.index(home)
+            if not _overloaded(candidates[i], candidates, self.overload_factor):
+                self._home.move_to_end(request.session)
+                return Decision(i, "sticky", least.scores)
+            reason = "overloaded"
+        elif home is not None:
+            reason = "home-unavailable"
+        self._home[request.session] = names[least.index]
+        self._home.move_to_end(request.session)
+        while len(self._home) > self.max_sessions:
+            self._home.popitem(last=False)
+        return Decision(least.index, reason, least.scores)
+
+
+class CacheAware(Policy):
+    name = "cache-aware"
+
+    def __init__(self, dram_credit: float = 0.5) -> None:
+        self.dram_credit = dram_credit
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        def cached(c: Candidate) -> float:
+            return c.coverage.gpu + self.dram_credit * (c.coverage.dram - c.coverage.gpu)
+
+        keys = [(-cached(c), *_load_key(c), c.name) for c in candidates]
+        return Decision(_argmin(keys), "longest-prefix", tuple(float(k[0]) for k in keys))
+
+
+class LMetric(Policy):
+    name = "lmetric"
+
+    def __init__(self, dram_credit: float = 0.5) -> None:
+        self.dram_credit = dram_credit
+
+    def uncached(self, c: Candidate, tokens: int) -> float:
+        gpu, dram = min(c.coverage.gpu, tokens), min(c.coverage.dram, tokens)
+        return tokens - gpu - self.dram_credit * (dram - gpu)
+
+    def score(self, c: Candidate, tokens: int) -> float:
+        return (c.load.pending_prefill_tokens + self.uncached(c, tokens)) * (c.load.running + 1)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        scores = [self.score(c, request.tokens) for c in candidates]
+        keys = [
+            (s, self.uncached(c, request.tokens), c.name)
+            for s, c in zip(scores, candidates, strict=True)
+        ]
+        return Decision(_argmin(keys), "score", tuple(scores))
+
+
+class Hybrid(LMetric):
+    """LMetric plus an affinity gate: the instance whose GPU holds more than ``affinity``
+    of the prompt keeps it unless overloaded."""
+
+    name = "hybrid"
+
+    def __init__(
+        self, dram_credit: float = 0.5, affinity: float = 0.5, overload_factor: float = 2.0
+    ) -> None:
+        super().__init__(dram_credit)
+        self.affinity = affinity
+        self.overload_factor = overload_factor
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        base = super().choose(request, candidates)
+        holder = _argmin([(-c.coverage.gpu, c.name) for c in candidates])
+        held = candidates[holder].coverage.gpu
+        if (
+            held > self.affinity * request.tokens
+            and holder != base.index
+            and not _overloaded(candidates[holder], candidates, self.overload_factor)
+        ):
+            return Decision(holder, "affinity", base.scores)
+        return base
+
+
+class Kvtier(Policy):
+    """Tier-priced LMetric. The affinity gate keeps the GPU holder unless another instance's
+    estimated TTFT, refetch cost included, is lower by more than ``gate_margin``: the score
+    already prices leaving (a fetch at 1 - kappa), the margin stops ping-pong on near ties."""
+
+    name = "kvtier"
+
+    def __init__(
+        self,
+        costs: TierCosts | None = None,
+        affinity: float = 0.5,
+        gate_margin: float = 0.1,
+    ) -> None:
+        self.costs = costs or TierCosts()
+        self.affinity = affinity
+        self.gate_margin = gate_margin
+
+    def score(self, c: Candidate, tokens: int) -> float:
+        uncached = self.costs.uncached(c.coverage, tokens)
+        return (c.load.pending_prefill_tokens + uncached) * (c.load.running + 1)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        tokens = request.tokens
+        scores = [self.score(c, tokens) for c in candidates]
+        keys = [(s, -c.coverage.gpu, c.name) for s, c in zip(scores, candidates, strict=True)]
+        best = _argmin(keys)
+        holder = _argmin([(-c.coverage.gpu, c.name) for c in candidates])
+        if (
+            holder != best
+            and candidates[holder].coverage.gpu > self.affinity * tokens
+            and scores[best] >= (1 - self.gate_margin) * scores[holder]
+        ):
+            return Decision(holder, "affinity", tuple(scores))
+        return Decision(best, "score", tuple(scores))
+
+
+POLICIES = ("round-robin", "least-load", "sticky", "cache-aware", "lmetric", "hybrid", "kvtier")
+
+
+def make_policy(name: str, dram_credit: float = 0.5, costs: TierCosts | None = None) -> Policy:
+    """A fresh policy by name (``dram_credit``: what a DRAM-held token counts for in the
+    credit-based policies; ``costs``: kappa for ``kvtier``)."""
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-load":
+        return LeastLoad()
+    if name == "sticky":
+        return Sticky()
+    if name == "cache-aware":
+        return CacheAware(dram_credit)
+    if name == "lmetric":
+        return LMetric(dram_credit)
+    if name == "hybrid":
+        return Hybrid(dram_credit)
+    if name == "kvtier":
+        return Kvtier(costs)
+    raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -1,0 +1,345 @@
+"""The OpenAI-compatible front door: ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``, plus ``/healthz``, ``/readyz``, ``/metrics``.
+
+A request is parsed once (400 on a bad body), tokenized once (``tokenize.py``), routed
+(``core.py``) and forwarded with its body untouched, except that a completion's text prompt
+is replaced by its token ids when the router tokenized it. Streams are relayed byte for byte.
+
+Failure rules (docs/router.md):
+- before the first byte, a connection error, a timeout or a 5xx ejects the instance and the
+  request goes to another one, at most ``router.retries`` (2) times, never twice to the same;
+- after the first byte nothing is retried (sampling is not deterministic): a stream that
+  breaks ends with an SSE ``error`` event;
+- no instance healthy: 503, all at ``max_in_flight``: 429, both with ``Retry-After``;
+- the client going away cancels the upstream request (its generation stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvtier import __version__
+from kvtier.auth import Authenticator, Permission, bearer
+from kvtier.config_router import RouterConfig
+from kvtier.errors import KvtierError
+from kvtier.router.backends import Backend, NoBackend
+from kvtier.router.core import Routed, RoutingCore
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.tokenize import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+PASS_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+INSTANCE_HEADER = "x-kvtier-instance"  # which instance answered (debugging, the demo)
+
+
+def error(status: int, message: str, kind: str, retry_after: float | None = None) -> Response:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class Proxy:
+    def __init__(
+        self,
+        core: RoutingCore,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        client: httpx.AsyncClient,
+        tokenizer: PromptTokenizer | None = None,
+        authenticator: Authenticator | None = None,
+    ) -> None:
+        """``authenticator``: with credentials configured, every request must carry a token
+        allowed to route (role client or admin); the token is not forwarded."""
+        self.core = core
+        self.authenticator = authenticator
+        self.backends = core.backends
+        self.config = config
+        self.metrics = metrics
+        self.client = client
+        self.tokenizer = tokenizer
+
+    # -- tokens ------------------------------------------------------------------------------
+
+    async def prompt_ids(
+        self, path: str, body: dict[str, Any], session: str | None
+    ) -> tuple[list[int] | None, dict[str, Any]]:
+        """(token ids to route by, body to forward). Raises ValueError on a bad prompt."""
+        if path == "/v1/chat/completions":
+            if not isinstance(body.get("messages"), list) or not body["messages"]:
+                raise ValueError("messages: a non-empty list is required")
+            if self.tokenizer is not None:
+                ids = await asyncio.to_thread(self.tokenizer.chat_ids, body, session)
+                return ids, body
+            return await self._remote_ids({"messages": body["messages"]}, body), body
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is not None:
+                ids = await asyncio.to_thread(self.tokenizer.completion_ids, prompt)
+                return ids, {**body, "prompt": ids}  # vLLM need not tokenize again
+            return await self._remote_ids({"prompt": prompt}, body), body
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt), body
+        if isinstance(prompt, list) and prompt:  # a batch: route by its first prompt
+            first = prompt[0]
+            if isinstance(first, list):
+                return list(first), body
+            if isinstance(first, str) and self.tokenizer is not None:
+                return await asyncio.to_thread(self.tokenizer.completion_ids, first), body
+            return None, body
+        raise ValueError("prompt: a string, a list of token ids, or a list of those is required")
+
+    async def _remote_ids(self, payload: dict[str, Any], body: dict[str, Any]) -> list[int] | None:
+        """No local tokenizer: ask an instance's ``/tokenize`` (None if none answers)."""
+        try:
+            backend = self.backends.routable()[0]
+            resp = await self.client.post(
+                f"{backend.url}/tokenize",
+                json={"model": body.get("model"), **payload},
+                timeout=self.config.connect_timeout_s + 5,
+            )
+            resp.raise_for_status()
+            return list(resp.json()["tokens"])
+        except (NoBackend, httpx.HTTPError, KeyError, ValueError) as exc:
+            log.debug("router: /tokenize failed: %s", exc)
+            return None
+
+    # -- forwarding --------------------------------------------------------------------------
+
+    def refused(self, request: Request) -> Response | None:
+        if self.authenticator is None or not self.authenticator.enabled:
+            return None
+        try:
+            principal = self.authenticator.principal(bearer(request.headers.get("authorization")))
+            principal.require(Permission.ROUTE, "send requests through the router")
+        except KvtierError as exc:
+            status = 401 if exc.code.value == "UNAUTHENTICATED" else 403
+            self.metrics.rejected.labels(str(status)).inc()
+            return error(status, exc.message, "authentication_error")
+        return None
+
+    async def handle(self, request: Request, path: str) -> Response:
+        denied = self.refused(request)
+        if denied is not None:
+            return denied
+        raw = await request.body()
+        if len(raw) > self.config.max_body_bytes:
+            return error(413, f"body over {self.config.max_body_bytes} bytes", "invalid_request")
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            session = request.headers.get(self.config.session_header) or body.get("user")
+            ids, forward = await self.prompt_ids(path, body, session)
+        except (ValueError, TypeError, KeyError) as exc:
+            self.metrics.rejected.labels("400").inc()
+            return error(400, f"bad request: {exc}", "invalid_request_error")
+        except Exception as exc:  # a template the tokenizer cannot render, ...
+            self.metrics.rejected.labels("400").inc()
+            return error(400, f"cannot tokenize this request: {exc!r}", "invalid_request_error")
+        prompt_tokens = len(ids) if ids is not None else max(1, len(raw) // 4)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS}
+        if self.authenticator is not None and self.authenticator.enabled:
+            headers.pop("authorization", None)  # ours, not the instance's
+        content = json.dumps(forward).encode() if forward is not body else raw
+        stream = bool(body.get("stream"))
+        start = time.perf_counter()
+        tried: set[str] = set()
+        last: Response | None = None
+        for attempt in range(self.config.retries + 1):
+            try:
+                routed = await asyncio.to_thread(
+                    self.core.route, ids, prompt_tokens, session, frozenset(tried)
+                )
+            except NoBackend as exc:
+                if last is not None:
+                    return last
+                status = 429 if exc.saturated else 503
+                self.metrics.rejected.labels(str(status)).inc()
+                kind = "rate_limit_exceeded" if exc.saturated else "service_unavailable"
+                return error(status, str(exc), kind, retry_after=self.config.eject_s / 2)
+            self._count_decision(routed, attempt)
+            backend = routed.backend
+            self.backends.dispatched(backend, prompt_tokens)
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request(
+                        "POST", f"{backend.url}{path}", content=content, headers=headers
+                    ),
+                    stream=True,
+                )
+            except httpx.HTTPError as exc:
+                self._failed(backend, routed, prompt_tokens, type(exc).__name__, tried)
+                last = error(502, f"instance {backend.name} failed: {exc!r}", "upstream_error")
+                continue
+            if upstream.status_code >= 500:
+                text = await upstream.aread()
+                await upstream.aclose()
+                self._failed(backend, routed, prompt_tokens, f"http {upstream.status_code}", tried)
+                last = Response(text, upstream.status_code, media_type="application/json")
+                continue
+            if stream and upstream.status_code == 200:
+                return StreamingResponse(
+                    self._relay(upstream, backend, routed, start),
+                    status_code=upstream.status_code,
+                    media_type=upstream.headers.get("content-type", "text/event-stream"),
+                    headers={INSTANCE_HEADER: backend.name},
+                )
+            return await self._whole(request, upstream, backend, routed, start)
+        assert last is not None
+        return last
+
+    def _count_decision(self, routed: Routed, attempt: int) -> None:
+        self.metrics.decision.observe(routed.seconds)
+        self.metrics.decisions.labels(self.core.policy.name, routed.decision.reason).inc()
+        if attempt == 0:
+            self.metrics.prompt_tokens.inc(routed.prompt_tokens)
+            self.metrics.predicted_cached.inc(routed.predicted_cached)
+
+    def _failed(
+        self, backend: Backend, routed: Routed, prompt_tokens: int, reason: str, tried: set[str]
+    ) -> None:
+        """Before the first byte: out of rotation, and the request goes elsewhere."""
+        self.backends.finished(backend, prompt_tokens, got_first_token=False)
+        if self.backends.eject(backend, reason):
+            self.metrics.ejections.labels("request").inc()
+        self.metrics.retries.labels(reason.split(" ")[0]).inc()
+        tried.add(backend.name)
+        self.core.log_decision(routed, {"outcome": "retried", "error": reason})
+
+    async def _relay(
+        self, upstream: httpx.Response, backend: Backend, routed: Routed, start: float
+    ) -> AsyncIterator[bytes]:
+        got_first = False
+        last_chunk = 0.0
+        outcome = "ok"
+        try:
+            async for chunk in upstream.aiter_raw():
+                now = time.perf_counter()
+                if not got_first:
+                    got_first = True
+                    self.metrics.ttft.observe(now - start)
+                    self.backends.first_token(backend, routed.prompt_tokens)
+                else:
+                    self.metrics.tpot.observe(now - last_chunk)
+                last_chunk = now
+                self._realized(chunk)
+                yield chunk
+        except httpx.HTTPError as exc:  # after bytes went out: no retry, say so in the stream
+            outcome = f"stream failed: {exc!r}"
+            self.metrics.stream_errors.inc()
+            if self.backends.eject(backend, "stream failed"):
+                self.metrics.ejections.labels("stream").inc()
+            event = {"error": {"message": f"instance failed mid-stream: {exc!r}", "code": 502}}
+            yield f"data: {json.dumps(event)}\n\n".encode()
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "client went away"
+            raise
+        finally:
+            await upstream.aclose()  # cancels the upstream request if it is still running
+            self.backends.finished(backend, routed.prompt_tokens, got_first)
+            self.metrics.e2e.observe(time.perf_counter() - start)
+            self.core.log_decision(routed, {"outcome": outcome, "stream": True})
+
+    async def _whole(
+        self,
+        request: Request,
+        upstream: httpx.Response,
+        backend: Backend,
+        routed: Routed,
+        start: float,
+    ) -> Response:
+        """A non-streamed answer; the client leaving cancels it."""
+        read = asyncio.ensure_future(upstream.aread())
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=0.25)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    read.cancel()
+                    self.core.log_decision(routed, {"outcome": "client went away"})
+                    return Response(status_code=499)
+            content = read.result()
+        except httpx.HTTPError as exc:
+            self.backends.eject(backend, "read failed")
+            return error(502, f"instance {backend.name} failed: {exc!r}", "upstream_error")
+        finally:
+            await upstream.aclose()
+            self.backends.finished(backend, routed.prompt_tokens, got_first_token=False)
+        elapsed = time.perf_counter() - start
+        self.metrics.ttft.observe(elapsed)
+        self.metrics.e2e.observe(elapsed)
+        self._realized(content)
+        self.core.log_decision(routed, {"outcome": "ok", "status": upstream.status_code})
+        return Response(
+            content,
+            upstream.status_code,
+            media_type=upstream.headers.get("content-type", "application/json"),
+            headers={INSTANCE_HEADER: backend.name},
+        )
+
+    def _realized(self, data: bytes) -> None:
+        """Cached tokens vLLM reports in ``usage`` (in a JSON answer or a stream's last event)."""
+        if b'"cached_tokens"' not in data:
+            return
+        for part in data.split(b"data: ") if data.startswith(b"data: ") else [data]:
+            try:
+                usage = json.loads(part.strip() or b"{}").get("usage") or {}
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            except (ValueError, AttributeError):
+                continue
+            if cached:
+                self.metrics.realized_cached.inc(cached)
+
+    async def models(self) -> Response:
+        try:
+            backend = self.backends.routable()[0]
+            resp = await self.client.get(f"{backend.url}/v1/models")
+        except (NoBackend, httpx.HTTPError) as exc:
+            return error(503, f"no instance answers: {exc}", "service_unavailable", 5)
+        return Response(resp.content, resp.status_code, media_type="application/json")
+
+
+def build_app(proxy: Proxy) -> FastAPI:
+    app = FastAPI(title="kvtier router", version=__version__)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy.handle(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return proxy.refused(request) or await proxy.models()
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        try:
+            n = len(proxy.backends.routable())
+        except NoBackend as exc:
+            return JSONResponse({"status": "not ready", "reason": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ready", "backends": n})
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

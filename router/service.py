@@ -1,0 +1,206 @@
+"""``kvtier router serve``: the proxy, its background loops, and how they are put together.
+
+Loops (on the proxy's event loop):
+- refresh: re-read announced instances from the index every ``refresh_s``;
+- scrape: each instance's ``/metrics`` every ``scrape_s`` (running, waiting, KV usage);
+- probe: a real 1-token completion per instance every ``probe_s`` — a port that answers says
+  nothing about a deadlocked engine. A failed probe ejects; a passing one re-admits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.auth import Authenticator
+from kvtier.config import KvtierConfig
+from kvtier.config_router import RouterConfig
+from kvtier.http import BodyLimit
+from kvtier.index.api import ChunkIndex
+from kvtier.router.backends import Backend, Backends
+from kvtier.router.core import RoutingCore
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.policies import Policy, TierCosts, make_policy
+from kvtier.router.proxy import Proxy, build_app
+from kvtier.router.tokenize import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+
+def load_costs(config: RouterConfig) -> TierCosts:
+    """kappa from ``router.kappa_file`` ({"dram": {"1024": 0.6, ...}, "remote": {...}})."""
+    if config.kappa_file is None:
+        return TierCosts()
+    table = json.loads(config.kappa_file.read_text())
+    return TierCosts(
+        {tier: {int(n): float(k) for n, k in pts.items()} for tier, pts in table.items()}
+    )
+
+
+def make_router_policy(config: RouterConfig) -> Policy:
+    return make_policy(config.policy, config.dram_credit, load_costs(config))
+
+
+class Loops:
+    """The background loops of one router; ``run`` until cancelled."""
+
+    def __init__(
+        self,
+        backends: Backends,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        client: httpx.AsyncClient,
+    ) -> None:
+        self.backends = backends
+        self.config = config
+        self.metrics = metrics
+        self.client = client
+        self._models: dict[str, str] = {}
+
+    async def run(self) -> None:
+        await asyncio.gather(self._refresh(), self._scrape(), self._probe())
+
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.to_thread(self.backends.refresh)
+            ejected = sum(1 for b in self.backends.all() if b.ejected_reason)
+            self.metrics.backends.labels("known").set(len(self.backends))
+            self.metrics.backends.labels("ejected").set(ejected)
+            await asyncio.sleep(self.config.refresh_s)
+
+    async def _scrape(self) -> None:
+        while True:
+            await asyncio.gather(*(self._scrape_one(b) for b in self.backends.all()))
+            await asyncio.sleep(self.config.scrape_s)
+
+    async def _scrape_one(self, backend: Backend) -> None:
+        try:
+            resp = await self.client.get(f"{backend.url}/metrics", timeout=2.0)
+            values: dict[str, float] = {}
+            for family in text_string_to_metric_families(resp.text):
+                for sample in family.samples:
+                    if sample.name in VLLM_LOAD and not sample.labels.get("reason"):
+                        values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            self.backends.scraped(
+                backend,
+                int(values.get("vllm:num_requests_running", 0)),
+                int(values.get("vllm:num_requests_waiting", 0)),
+                values.get("vllm:kv_cache_usage_perc", 0.0),
+            )
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("router: scraping %s failed: %s", backend.name, exc)
+
+    async def _probe(self) -> None:
+        while True:
+            await asyncio.gather(*(self.probe(b) for b in self.backends.all()))
+            await asyncio.sleep(self.config.probe_s)
+
+    async def probe(self, backend: Backend) -> bool:
+        """A real completion of one token; ejects on failure, re-admits on success."""
+        timeout = self.config.probe_timeout_s
+        try:
+            model = self._models.get(backend.url)
+            if model is None:
+                resp = await self.client.get(f"{backend.url}/v1/models", timeout=timeout)
+                model = self._models[backend.url] = resp.json()["data"][0]["id"]
+            resp = await self.client.post(
+                f"{backend.url}/v1/completions",
+                json={"model": model, "prompt": [1], "max_tokens": 1},
+                timeout=timeout,
+            )
+            resp.raise_for_status()
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            if self.backends.eject(backend, f"probe failed: {exc!r}"):
+                self.metrics.ejections.labels("probe").inc()
+            return False
+        if backend.ejected_reason:
+            log.info("router: %s passes its probe again", backend.name)
+            self.backends.admit(backend)
+        return True
+
+
+VLLM_LOAD = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+
+
+def build(
+    config: RouterConfig,
+    index: ChunkIndex | None,
+    probes: bool = True,
+    authenticator: Authenticator | None = None,
+) -> tuple[FastAPI, Proxy]:
+    """The router's app and proxy (``probes`` False: no background loops, for tests;
+    ``authenticator``: who may send requests, when credentials are configured)."""
+    backends = Backends(config, index)
+    backends.refresh()
+    metrics = RouterMetrics()
+    tokenizer = PromptTokenizer(config.model) if config.model else None
+    core = RoutingCore(
+        backends, make_router_policy(config), index, config.speculative_s, config.decision_log
+    )
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(
+        connect=config.connect_timeout_s, read=config.first_byte_timeout_s, write=60, pool=None
+    )
+    client = httpx.AsyncClient(limits=limits, timeout=timeout)
+    proxy = Proxy(core, config, metrics, client, tokenizer, authenticator)
+    loops = Loops(backends, config, metrics, client)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(loops.run()) if probes else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await client.aclose()
+            core.close()
+
+    app = build_app(proxy)
+    app.router.lifespan_context = lifespan
+    return app, proxy
+
+
+def serve(config: KvtierConfig) -> None:
+    """Run the router until SIGINT/SIGTERM (uvicorn's handlers). Prints a JSON ready line."""
+    from kvtier.auth import check_exposure
+    from kvtier.index.client import connect as connect_index
+    from kvtier.rpc import ClientAuth
+
+    rc = config.router
+    # The front door spends GPU time: off loopback it needs credentials (role client).
+    check_exposure("kvtier router", [rc.host], config.auth)
+    auth = ClientAuth.from_config(config.auth)
+    index = connect_index(config.index, auth) if config.index.address else None
+    app, _ = build(rc, index, authenticator=Authenticator(config.auth))
+    limited = BodyLimit(app, rc.max_body_bytes)  # refused before it is read
+    server = uvicorn.Server(
+        uvicorn.Config(limited, host=rc.host, port=rc.port, log_level="warning")
+    )
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            port = server.servers[0].sockets[0].getsockname()[1]
+            ready: dict[str, Any] = {
+                "event": "ready",
+                "http": f"{rc.host}:{port}",
+                "policy": rc.policy,
+            }
+            print(json.dumps(ready), flush=True)
+        await task
+
+    asyncio.run(main())

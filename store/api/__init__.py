@@ -1,0 +1,190 @@
+"""The node store's control API, one interface for the embedded store and the gRPC client.
+
+Data never goes through this API: it returns *where* chunks are in the pool's shared-memory
+segment, and the caller copies bytes in or out itself (see ``kvtier.tiers.cpu``).
+
+Protocol of a put:  ``allocate`` -> copy into the returned extents -> ``commit`` (or ``abort``).
+Protocol of a get:  ``lookup(..., lease_ttl_s=...)`` -> copy out -> ``release``; the copy is
+valid only if ``release`` answers ``LeaseStatus.OK``.
+Sessions:           ``open_session`` -> pass ``session=`` to every lease-creating call
+(``lookup``, ``allocate``, ``lease_for_peer``) -> ``heartbeat`` every
+``StoreInfo.session_timeout_s / 3`` -> ``close_session``. When a session ends (closed, or no
+heartbeat in time: the client died) the store ends its leases at once: read leases unpinned,
+write leases aborted. Without a session (``session=0``) a lease lives until released or
+expired, as an embedded store's do. ``GrpcStoreClient`` does all of this by itself.
+Remote tier:        ``fetch(ns_id, keys, holder)`` pulls a run of chunks from another node's
+store into this one; then get them as above (see ``kvtier.store.remote.fetch``).
+
+Modules: this one (the interface), ``types`` (statuses and results), ``events`` (the event
+stream's vocabulary), ``remote`` (what a fetch answers). Other packages import the store only
+through ``kvtier.store.api`` and ``kvtier.store.client``.
+
+Threading: implementations are thread-safe. Ownership: results are plain values; the client
+owns nothing in the store except its leases, which expire if it dies.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.errors import ErrorCode, KvtierError
+from kvtier.keys import Namespace
+from kvtier.store.api.events import EventBatch, EventGap
+from kvtier.store.api.remote import FetchResult
+from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
+
+if TYPE_CHECKING:
+    from kvtier.store.client.shm import SharedSegment
+
+
+@dataclass(frozen=True, slots=True)
+class StoreInfo:
+    node_id: str
+    epoch: int  # changes at every start: results from another epoch are void
+    segment_name: str  # /dev/shm/<segment_name>
+    segment_size: int
+    page_size: int
+    version: str
+    transfer_address: str = ""  # remote tier: where peers reach this pool ("" = not served)
+    transfer_base: int = 0  # remote tier: the pool's virtual address in the store's process
+    lease_ttl_s: float = 30.0  # the store's default read-lease lifetime
+    session_timeout_s: float = 0.0  # a session without heartbeat this long ends (0: no sessions)
+
+
+class StoreClient(abc.ABC):
+    """Control plane of one node store."""
+
+    @abc.abstractmethod
+    def info(self) -> StoreInfo: ...
+
+    def local_segment(self) -> SharedSegment | None:
+        """The pool's mapping when the store runs in this process (embedded), else None:
+        clients then map the segment ``info()`` names."""
+        return None
+
+    def reattach(self) -> StoreInfo:
+        """After STALE_EPOCH: adopt the store's current incarnation and return its info. An
+        in-process store never restarts under its client, so it just answers ``info()``."""
+        return self.info()
+
+    @abc.abstractmethod
+    def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
+        """Declare a namespace and its chunk size; returns the namespace id (its root key)."""
+
+    @abc.abstractmethod
+    def lookup(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease_ttl_s: float | None = None,
+        *,
+        session: int = 0,
+    ) -> LookupResult:
+        """Longest committed prefix of ``keys``; leased when ``lease_ttl_s`` is given, the
+        lease ending with ``session`` too (0: no session; UNKNOWN_SESSION: not open)."""
+
+    @abc.abstractmethod
+    def allocate(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        ttl_s: float | None = None,
+        *,
+        session: int = 0,
+    ) -> AllocateResult:
+        """Reserve pool pages for ``keys`` under a write lease (ending with ``session`` too).
+        Batches are bounded: more than ``store.max_batch_keys`` keys is INVALID_ARGUMENT, more
+        than ``store.max_batch_fraction`` of the pool that does not fit in free space is
+        LIMIT_EXCEEDED; a tenant over its quota gets NO_SPACE for what does not fit."""
+
+    @abc.abstractmethod
+    def commit(
+        self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]
+    ) -> int: ...
+
+    @abc.abstractmethod
+    def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int: ...
+
+    @abc.abstractmethod
+    def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]: ...
+
+    @abc.abstractmethod
+    def renew(self, lease_id: int, ttl_s: float | None = None) -> float:
+        """Extend a lease; returns its new TTL, shortened to what is left of its lifetime
+        (``store.max_lease_lifetime_s`` from creation). LEASE_EXPIRED past that."""
+
+    @abc.abstractmethod
+    def open_session(self) -> int:
+        """Open a client session; returns its id, to pass as ``session=`` to lease-creating
+        calls. Heartbeat it within ``StoreInfo.session_timeout_s`` or it ends with its leases
+        (LIMIT_EXCEEDED past ``store.max_sessions``)."""
+
+    @abc.abstractmethod
+    def heartbeat(self, session: int) -> bool:
+        """Keep ``session`` alive. False: it is unknown or already ended (its leases are
+        gone): the client must open a new one."""
+
+    @abc.abstractmethod
+    def close_session(self, session: int) -> int:
+        """End ``session`` and every lease created under it; returns how many leases ended
+        (0 for an unknown session)."""
+
+    @abc.abstractmethod
+    def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int: ...
+
+    @abc.abstractmethod
+    def clear(self) -> int: ...
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, int | float | str]: ...
+
+    @abc.abstractmethod
+    def snapshot(self) -> Snapshot: ...
+
+    @abc.abstractmethod
+    def read_events(
+        self, from_seq: int, max_batches: int = 256, timeout: float | None = None
+    ) -> list[EventBatch] | EventGap:
+        """Event batches from ``from_seq`` on, or the gap if the store no longer has them."""
+
+    # -- remote tier (a store without it answers UNAVAILABLE) -------------------------------
+
+    def lease_for_peer(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease_ttl_s: float | None = None,
+        timeout_s: float | None = None,
+        *,
+        session: int = 0,
+    ) -> LookupResult:
+        """Holder side of a fetch: ``lookup`` with a read lease whose hits all carry their
+        checksum (computed on the spot if need be), for a peer's transfer engine to read. The
+        lease ends with ``session`` too (the fetching store's session at the holder)."""
+        raise KvtierError(ErrorCode.UNAVAILABLE, f"{type(self).__name__} has no remote tier")
+
+    def fetch(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        holder: str,
+        timeout_s: float | None = None,
+    ) -> FetchResult:
+        """Pull ``keys`` (a prefix run) from the store at gRPC address ``holder`` into this
+        store: one transfer batch, checksums verified, committed here. Peer failures are
+        ``FetchResult.status``, not exceptions; bad arguments raise KvtierError. Returns
+        within ``timeout_s`` (default ``remote.fetch_timeout_s``) plus one control call."""
+        raise KvtierError(ErrorCode.UNAVAILABLE, f"{type(self).__name__} has no remote tier")
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release client resources (the store keeps running unless embedded)."""
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,56 @@
+"""What a node store answers: statuses and results of its control API (clients, the wire
+codec and the store itself share them)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.chunks import ChunkLocation, LookupStatus
+from kvtier.errors import ErrorCode, KvtierError
+from kvtier.keys import KEY_BYTES
+
+
+class AllocStatus(enum.StrEnum):
+    ALLOCATED = "allocated"  # write the bytes, then commit
+    EXISTS = "exists"  # already stored: nothing to write (idempotent put)
+    IN_PROGRESS = "in_progress"  # another writer is storing it right now
+    NO_SPACE = "no_space"  # the pool is full of pinned / being-written chunks
+
+
+class LeaseStatus(enum.StrEnum):
+    OK = "ok"  # released in time: everything read under it was stable
+    EXPIRED = "expired"  # reaped before release: a copy made under it may be torn
+    UNKNOWN = "unknown"  # never issued by this store incarnation (or released twice)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    hits: list[ChunkLocation]  # the longest committed prefix of the keys asked
+    stop: LookupStatus  # HIT when every key hit, else what the first non-hit was
+    lease_id: int  # 0 when no lease was asked for or nothing hit
+    epoch: int = 0  # the store incarnation the extents belong to (0: not known)
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateResult:
+    lease_id: int  # write lease over the ALLOCATED chunks (0 if none)
+    statuses: list[AllocStatus]
+    locations: list[ChunkLocation | None]  # where to write, for ALLOCATED chunks
+    epoch: int = 0  # the store incarnation the extents belong to (0: not known)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    seq: int  # events up to and including seq are reflected; read on from seq + 1
+    chunks: dict[bytes, list[bytes]]  # namespace id -> committed keys
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    for key in keys:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise KvtierError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"a chunk key is {KEY_BYTES} bytes, got {key!r:.40}",
+            )

@@ -1,0 +1,408 @@
+"""``StoreClient`` over gRPC, for processes that map the pool of a ``kvtier store serve``.
+
+The client remembers the store epoch it attached to and sends it with every request; after a
+store restart every call fails with STALE_EPOCH until the caller re-attaches (``reattach``),
+so a client can never apply offsets from one pool incarnation to another.
+
+Sessions: on its first lease-creating call (a leased ``lookup``, ``allocate``,
+``lease_for_peer``) the client opens a session at the store, passes its id in every such call,
+and heartbeats it from a daemon thread every ``session_timeout_s / 3``. If this process dies
+(SIGKILL, OOM) the heartbeats stop and the store ends its leases within seconds instead of at
+their TTL: a killed engine does not keep chunks pinned. An unknown session (timed out during a
+long pause, store restarted) is replaced by a new one; ``close()`` ends it. The heartbeat thread
+holds the client weakly: a client dropped without ``close()`` lets its session time out.
+Against a store without sessions (an older version) leases are TTL-only, as before.
+
+Threading: thread-safe (one channel, gRPC stubs are thread-safe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from kvtier import rpc
+from kvtier.errors import ErrorCode, KvtierError
+from kvtier.keys import Namespace, pack_keys, unpack_keys
+from kvtier.store.api import StoreClient, StoreInfo
+from kvtier.store.api.events import EventBatch, EventGap
+from kvtier.store.api.remote import FetchResult
+from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
+from kvtier.store.client import wire
+from kvtier.store.proto import store_pb2 as pb
+from kvtier.store.proto import store_pb2_grpc
+
+# A fetch's reply may come this long after its own deadline (the store's last control call).
+FETCH_REPLY_MARGIN_S = 5.0
+CLOSE_SESSION_TIMEOUT_S = 2.0  # close() does not wait longer for an unreachable store
+
+T = TypeVar("T")
+
+
+class GrpcStoreClient(StoreClient):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 10.0,
+        lazy: bool = False,
+        auth: rpc.ClientAuth | None = None,
+    ) -> None:
+        """``address``: ``host:port`` or ``unix:/path`` (the node's socket: no token needed).
+        ``lazy``: do not fail when the store is not reachable yet (an engine may start
+        before its node store); every call then answers UNAVAILABLE until it is. ``auth``:
+        the token / TLS this client presents."""
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = rpc.open_channel(address, auth)
+        self._stub = store_pb2_grpc.StoreStub(self._channel)
+        self._info: StoreInfo | None = None
+        self._session = 0  # this client's own session; 0 = none open yet
+        self._session_timeout_s = 0.0
+        self._sessions_supported = True
+        self._session_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._heartbeater: threading.Thread | None = None
+        self._reachable = True  # the last call got an answer (close() skips a dead store)
+        try:
+            self._info = self._fetch_info()
+        except KvtierError as exc:
+            if not lazy or exc.code is not ErrorCode.UNAVAILABLE:
+                raise  # lazy: a store not up yet is attached to on first use
+
+    @property
+    def epoch(self) -> int:
+        return self.info().epoch
+
+    def reattach(self) -> StoreInfo:
+        """Adopt the store's current epoch (after STALE_EPOCH). Returns the new info. The
+        session of the previous incarnation is gone with it: the next lease opens one."""
+        # Attached before: the store restarted, so it is coming back; ride out the channel's
+        # reconnect backoff. Never attached (a store not up yet): fail fast, as every call does.
+        self._info = self._fetch_info(wait_for_ready=self._info is not None)
+        self._drop_session(self._session)
+        return self._info
+
+    def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
+        try:
+            reply = getattr(self._stub, name)(request, timeout=timeout or self.timeout_s)
+        except grpc.RpcError as exc:
+            error = rpc.error_from_rpc(exc, f"store {self.address}")
+            self._reachable = error.code is not ErrorCode.UNAVAILABLE
+            raise error from None
+        self._reachable = True
+        return reply
+
+    def _fetch_info(self, wait_for_ready: bool = False) -> StoreInfo:
+        """``wait_for_ready``: ride out the channel's reconnect backoff (a store that just
+        restarted) for up to ``timeout_s``, instead of failing at once."""
+        if wait_for_ready:
+            try:
+                reply = self._stub.Info(
+                    pb.InfoRequest(), timeout=self.timeout_s, wait_for_ready=True
+                )
+            except grpc.RpcError as exc:
+                raise rpc.error_from_rpc(exc, f"store {self.address}") from None
+        else:
+            reply = self._call("Info", pb.InfoRequest())
+        return StoreInfo(
+            node_id=reply.node_id,
+            epoch=reply.epoch,
+            segment_name=reply.segment_name,
+            segment_size=reply.segment_size,
+            page_size=reply.page_size,
+            version=reply.version,
+            transfer_address=reply.transfer_address,
+            transfer_base=reply.transfer_base,
+            lease_ttl_s=reply.lease_ttl_s or 30.0,
+            session_timeout_s=reply.session_timeout_s,
+        )
+
+    # -- StoreClient -------------------------------------------------------------------------
+
+    def info(self) -> StoreInfo:
+        """The incarnation this client is attached to (attaching now if it was not yet:
+        UNAVAILABLE while the store cannot be reached)."""
+        info = self._info
+        if info is None:
+            info = self._info = self._fetch_info()
+        return info
+
+    def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
+        reply = self._call(
+            "RegisterNamespace",
+            pb.RegisterNamespaceRequest(
+                epoch=self.epoch,
+                namespace_json=namespace.model_dump_json(),
+                chunk_bytes=chunk_bytes,
+            ),
+        )
+        return reply.ns_id
+
+    def lookup(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease_ttl_s: float | None = None,
+        *,
+        session: int = 0,
+    ) -> LookupResult:
+        epoch = self.epoch  # the reply's extents belong to the epoch the request was made in
+        packed = pack_keys(keys)
+
+        def call(session: int) -> Any:
+            request = pb.LookupRequest(
+                epoch=epoch,
+                ns_id=ns_id,
+                keys=packed,
+                lease_ttl_s=lease_ttl_s or 0,
+                session=session,
+            )
+            return self._call("Lookup", request)
+
+        reply = self._with_session(session, call) if lease_ttl_s else call(0)
+        return LookupResult(
+            wire.locations_from_pb(reply.hits),
+            wire.LOOKUP_STATUS_BACK[reply.stop],
+            reply.lease_id,
+            epoch,
+        )
+
+    def allocate(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        ttl_s: float | None = None,
+        *,
+        session: int = 0,
+    ) -> AllocateResult:
+        if any(size < 0 for size in sizes):
+            raise KvtierError(ErrorCode.INVALID_ARGUMENT, "chunk sizes must be >= 0")
+        epoch = self.epoch
+        packed = pack_keys(keys)
+
+        def call(session: int) -> Any:
+            request = pb.AllocateRequest(
+                epoch=epoch,
+                ns_id=ns_id,
+                keys=packed,
+                sizes=sizes,
+                ttl_s=ttl_s or 0,
+                session=session,
+            )
+            return self._call("Allocate", request)
+
+        reply = self._with_session(session, call)
+        statuses = [wire.ALLOC_STATUS_BACK[s] for s in reply.statuses]
+        allocated = iter(wire.locations_from_pb(reply.allocated))
+        locations = [next(allocated) if s.value == "allocated" else None for s in statuses]
+        return AllocateResult(reply.lease_id, statuses, locations, epoch)
+
+    def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
+        request = pb.CommitRequest(
+            epoch=self.epoch,
+            lease_id=lease_id,
+            keys=pack_keys(keys) if keys is not None else b"",
+            checksums=checksums,
+        )
+        return self._call("Commit", request).committed
+
+    def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int:
+        request = pb.AbortRequest(
+            epoch=self.epoch, lease_id=lease_id, keys=pack_keys(keys) if keys else b""
+        )
+        return self._call("Abort", request).aborted
+
+    def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
+        reply = self._call("Release", pb.ReleaseRequest(epoch=self.epoch, lease_ids=lease_ids))
+        return [wire.LEASE_STATUS_BACK[s] for s in reply.statuses]
+
+    def renew(self, lease_id: int, ttl_s: float | None = None) -> float:
+        request = pb.RenewRequest(epoch=self.epoch, lease_id=lease_id, ttl_s=ttl_s or 0)
+        return self._call("Renew", request).ttl_s
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def open_session(self) -> int:
+        """A new session at the store, for the caller to heartbeat and close itself (the
+        client's own session, used when no ``session=`` is given, needs none of this)."""
+        return self._call("OpenSession", pb.OpenSessionRequest(epoch=self.epoch)).session
+
+    def heartbeat(self, session: int) -> bool:
+        request = pb.HeartbeatRequest(epoch=self.epoch, session=session)
+        return self._call("Heartbeat", request).alive
+
+    def close_session(self, session: int) -> int:
+        request = pb.CloseSessionRequest(epoch=self.epoch, session=session)
+        return self._call("CloseSession", request).released
+
+    def _with_session(self, session: int, call: Callable[[int], T]) -> T:
+        """Run a lease-creating ``call(session)``: under the caller's ``session`` when given,
+        else under this client's own (opened now if need be, and opened anew once if the
+        store no longer knows it)."""
+        if session:
+            return call(session)
+        own = self._own_session()
+        try:
+            return call(own)
+        except KvtierError as exc:
+            if exc.code is not ErrorCode.UNKNOWN_SESSION or not own:
+                raise
+            self._drop_session(own)
+            return call(self._own_session())
+
+    def _own_session(self) -> int:
+        with self._session_lock:
+            if self._session or not self._sessions_supported or self._closed.is_set():
+                return self._session
+            try:
+                reply = self._call("OpenSession", pb.OpenSessionRequest(epoch=self.epoch))
+            except KvtierError as exc:
+                if exc.code is ErrorCode.INTERNAL and exc.message.startswith("UNIMPLEMENTED"):
+                    self._sessions_supported = False  # an older store: TTL-only leases
+                    return 0
+                raise
+            self._session = reply.session
+            self._session_timeout_s = reply.timeout_s
+            if self._heartbeater is None or not self._heartbeater.is_alive():
+                self._heartbeater = threading.Thread(
+                    target=_heartbeat_loop,
+                    args=(weakref.ref(self), self._closed, max(0.05, reply.timeout_s / 3)),
+                    name="kvtier-store-heartbeat",
+                    daemon=True,
+                )
+                self._heartbeater.start()
+            return self._session
+
+    def _drop_session(self, session: int) -> None:
+        """Forget ``session`` (ended at the store): the next lease opens a new one."""
+        with self._session_lock:
+            if session and self._session == session:
+                self._session = 0
+
+    def _heartbeat_once(self) -> float:
+        """Heartbeat the client's session; returns how long to wait before the next one."""
+        with self._session_lock:
+            session, timeout = self._session, self._session_timeout_s
+        if session and not self._closed.is_set():
+            try:
+                if not self.heartbeat(session):
+                    self._drop_session(session)  # timed out meanwhile: its leases are gone
+            except KvtierError as exc:
+                if exc.code is ErrorCode.STALE_EPOCH:
+                    self._drop_session(session)  # restarted: the session is gone with it
+                # else unreachable: try again; the store ends it if this lasts
+            except ValueError:  # close() closed the channel under this call: we are done
+                pass
+        return max(0.05, timeout / 3) if timeout else 1.0
+
+    def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
+        request = pb.DeleteRequest(epoch=self.epoch, ns_id=ns_id, keys=pack_keys(keys))
+        return self._call("Delete", request).deleted
+
+    def clear(self) -> int:
+        return self._call("Clear", pb.ClearRequest(epoch=self.epoch)).cleared
+
+    def stats(self) -> dict[str, int | float | str]:
+        return json.loads(self._call("Stats", pb.StatsRequest()).stats_json)
+
+    def snapshot(self) -> Snapshot:
+        reply = self._call("Snapshot", pb.SnapshotRequest())
+        return Snapshot(reply.seq, {c.ns_id: unpack_keys(c.keys) for c in reply.chunks})
+
+    def read_events(
+        self, from_seq: int, max_batches: int = 256, timeout: float | None = None
+    ) -> list[EventBatch] | EventGap:
+        reply = self._call(
+            "ReadEvents",
+            pb.ReadEventsRequest(
+                from_seq=from_seq, max_batches=max_batches, timeout_s=timeout or 0
+            ),
+            timeout=(timeout or 0) + self.timeout_s,
+        )
+        if reply.gap_oldest:
+            return EventGap(requested=from_seq, oldest=reply.gap_oldest)
+        return [wire.batch_from_pb(b) for b in reply.batches]
+
+    def lease_for_peer(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease_ttl_s: float | None = None,
+        timeout_s: float | None = None,
+        *,
+        session: int = 0,
+    ) -> LookupResult:
+        epoch = self.epoch
+        packed = pack_keys(keys)
+
+        def call(session: int) -> Any:
+            request = pb.LookupRequest(
+                epoch=epoch,
+                ns_id=ns_id,
+                keys=packed,
+                lease_ttl_s=lease_ttl_s or 0,
+                session=session,
+            )
+            return self._call("LeaseForPeer", request, timeout=timeout_s)
+
+        reply = self._with_session(session, call)
+        return LookupResult(
+            wire.locations_from_pb(reply.hits),
+            wire.LOOKUP_STATUS_BACK[reply.stop],
+            reply.lease_id,
+            epoch,
+        )
+
+    def fetch(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        holder: str,
+        timeout_s: float | None = None,
+    ) -> FetchResult:
+        if timeout_s is not None and not timeout_s > 0:
+            raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"fetch timeout must be > 0: {timeout_s}")
+        request = pb.FetchRequest(
+            epoch=self.epoch,
+            ns_id=ns_id,
+            keys=pack_keys(keys),
+            holder=holder,
+            timeout_s=timeout_s or 0,
+        )
+        # The store bounds the fetch itself; this deadline only catches a store that hangs.
+        wait = (timeout_s or 30.0) + FETCH_REPLY_MARGIN_S
+        return wire.fetch_from_pb(self._call("Fetch", request, timeout=wait))
+
+    def close(self) -> None:
+        """End the client's session (its leases with it) and close the channel. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._session_lock:
+            session, self._session = self._session, 0
+        if session and self._reachable:  # a store not answering ends it by timeout instead
+            with contextlib.suppress(KvtierError):
+                request = pb.CloseSessionRequest(epoch=self.epoch, session=session)
+                timeout = min(self.timeout_s, CLOSE_SESSION_TIMEOUT_S)
+                self._call("CloseSession", request, timeout=timeout)
+        self._channel.close()  # a heartbeat in flight is cancelled; the thread then stops
+
+
+def _heartbeat_loop(
+    ref: weakref.ref[GrpcStoreClient], closed: threading.Event, wait: float
+) -> None:
+    """Heartbeat the session of the client ``ref`` until it is closed or garbage-collected
+    (the thread holds it only while it heartbeats, so a dropped client can be collected)."""
+    while not closed.wait(wait):
+        client = ref()
+        if client is None:
+            return
+        wait = client._heartbeat_once()
+        del client

@@ -1,0 +1,115 @@
+"""Conversions between the store's Python values and its protobuf messages.
+
+Shared by the gRPC server and client so both sides agree on one encoding: keys packed as
+16-byte runs, extents flattened (see store.proto).
+"""
+
+from __future__ import annotations
+
+from kvtier.chunks import ChunkLocation, LookupStatus
+from kvtier.keys import pack_keys, unpack_keys
+from kvtier.store.api.events import EventBatch, EventKind, StoreEvent
+from kvtier.store.api.remote import FetchResult, FetchStatus
+from kvtier.store.api.types import AllocStatus, LeaseStatus
+from kvtier.store.proto import store_pb2 as pb
+
+LOOKUP_STATUS = {
+    LookupStatus.HIT: pb.HIT,
+    LookupStatus.MISS: pb.MISS,
+    LookupStatus.PENDING: pb.PENDING,
+}
+LOOKUP_STATUS_BACK = {v: k for k, v in LOOKUP_STATUS.items()}
+ALLOC_STATUS = {
+    AllocStatus.ALLOCATED: pb.ALLOCATED,
+    AllocStatus.EXISTS: pb.EXISTS,
+    AllocStatus.IN_PROGRESS: pb.IN_PROGRESS,
+    AllocStatus.NO_SPACE: pb.NO_SPACE,
+}
+ALLOC_STATUS_BACK = {v: k for k, v in ALLOC_STATUS.items()}
+LEASE_STATUS = {
+    LeaseStatus.OK: pb.OK,
+    LeaseStatus.EXPIRED: pb.EXPIRED,
+    LeaseStatus.UNKNOWN: pb.UNKNOWN,
+}
+LEASE_STATUS_BACK = {v: k for k, v in LEASE_STATUS.items()}
+EVENT_KIND = {
+    EventKind.STORED: pb.STORED,
+    EventKind.REMOVED: pb.REMOVED,
+    EventKind.CLEARED: pb.CLEARED,
+}
+EVENT_KIND_BACK = {v: k for k, v in EVENT_KIND.items()}
+FETCH_STATUS = {status: pb.FetchStatus.Value(f"FETCH_{status.name}") for status in FetchStatus}
+FETCH_STATUS_BACK = {v: k for k, v in FETCH_STATUS.items()}
+
+
+def fetch_to_pb(result: FetchResult) -> pb.FetchReply:
+    return pb.FetchReply(
+        status=FETCH_STATUS[result.status],
+        local=result.local,
+        fetched=result.fetched,
+        bytes=result.bytes,
+        holder_hits=result.holder_hits,
+        checksum_mismatches=result.checksum_mismatches,
+        present=bytes(result.present),
+        message=result.message,
+    )
+
+
+def fetch_from_pb(msg: pb.FetchReply) -> FetchResult:
+    return FetchResult(
+        status=FETCH_STATUS_BACK[msg.status],
+        local=msg.local,
+        fetched=msg.fetched,
+        bytes=msg.bytes,
+        holder_hits=msg.holder_hits,
+        checksum_mismatches=msg.checksum_mismatches,
+        present=tuple(bool(b) for b in bytes(msg.present)),
+        message=msg.message,
+    )
+
+
+def locations_to_pb(locations: list[ChunkLocation]) -> pb.Locations:
+    msg = pb.Locations(keys=pack_keys([loc.key for loc in locations]))
+    msg.sizes.extend(loc.size for loc in locations)
+    msg.checksums.extend(loc.checksum for loc in locations)
+    msg.extent_counts.extend(len(loc.extents) for loc in locations)
+    msg.extent_offsets.extend(off for loc in locations for off, _ in loc.extents)
+    msg.extent_lengths.extend(length for loc in locations for _, length in loc.extents)
+    return msg
+
+
+def locations_from_pb(msg: pb.Locations) -> list[ChunkLocation]:
+    keys = unpack_keys(msg.keys)
+    offsets, lengths = list(msg.extent_offsets), list(msg.extent_lengths)
+    out = []
+    pos = 0
+    for key, size, checksum, count in zip(
+        keys, msg.sizes, msg.checksums, msg.extent_counts, strict=True
+    ):
+        extents = tuple(zip(offsets[pos : pos + count], lengths[pos : pos + count], strict=True))
+        pos += count
+        out.append(ChunkLocation(key, size, extents, checksum))
+    return out
+
+
+def batch_to_pb(batch: EventBatch) -> pb.EventBatch:
+    return pb.EventBatch(
+        node_id=batch.node_id,
+        epoch=batch.epoch,
+        seq=batch.seq,
+        timestamp=batch.timestamp,
+        events=[
+            pb.Event(
+                kind=EVENT_KIND[e.kind], ns_id=e.namespace, keys=pack_keys(e.keys), tier=e.tier
+            )
+            for e in batch.events
+        ],
+    )
+
+
+def batch_from_pb(msg: pb.EventBatch) -> EventBatch:
+    events = tuple(
+        StoreEvent(EVENT_KIND_BACK[e.kind], e.ns_id, tuple(unpack_keys(e.keys)), e.tier or "cpu")
+        for e in msg.events
+    )
+    return EventBatch(msg.node_id, msg.epoch, msg.seq, msg.timestamp, events)

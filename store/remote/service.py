@@ -1,0 +1,96 @@
+"""The remote tier of one node store: its transfer engine, peer clients, fetcher and demoter.
+
+``NodeStore`` builds one when ``store.remote.enabled`` and delegates ``lease_for_peer``,
+``fetch`` and the remote stats to it. Shutdown order matters: the demoter first (it calls
+peers), then the pool's registration (so no peer reads memory about to be unmapped).
+
+Threading: thread-safe.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+from kvtier.config_store import RemoteConfig
+from kvtier.rpc import ClientAuth
+from kvtier.store.api.remote import FetchResult
+from kvtier.store.api.types import LookupResult
+from kvtier.store.client.shm import SharedSegment
+from kvtier.store.core import StoreCore
+from kvtier.store.remote.demotion import Demoter
+from kvtier.store.remote.fetch import Fetcher
+from kvtier.store.remote.peers import PeerClients
+from kvtier.store.remote.transport import Transport
+
+
+def make_transport(config: RemoteConfig) -> Transport:
+    from kvtier.store.remote.mooncake import MooncakeTransport
+
+    name = ""
+    if config.metadata != "P2PHANDSHAKE":
+        # With a metadata service the engine is known by this name: make it unique per store.
+        with socket.socket() as s:
+            s.bind((config.hostname, 0))
+            name = f"{config.hostname}:{s.getsockname()[1]}"
+    return MooncakeTransport(config, segment_name=name)
+
+
+class RemoteTier:
+    def __init__(
+        self,
+        core: StoreCore,
+        segment: SharedSegment,
+        config: RemoteConfig,
+        transport: Transport | None = None,
+        peer_auth: ClientAuth | None = None,
+    ) -> None:
+        """``peer_auth``: what this store presents to its peers."""
+        self.config = config
+        self.transport = transport or make_transport(config)
+        try:
+            self.transport.register_pool(segment.base_address, segment.size)
+        except BaseException:
+            self.transport.close()
+            raise
+        self.base_address = segment.base_address
+        self.peers = PeerClients(config.rpc_timeout_s, peer_auth)
+        self.fetcher = Fetcher(core, segment, self.transport, config, self.peers)
+        self.core = core
+        self.demoter: Demoter | None = None
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    def start_demotion(self, self_address: str) -> None:
+        """Start demoting to ``remote.peers`` (if the policy says so); ``self_address`` is the
+        gRPC address peers fetch from."""
+        if self.config.demotion.policy == "peers" and self.demoter is None:
+            self.demoter = Demoter(self.core, self.config, self.peers, self_address)
+            self.demoter.start()
+
+    def lease_for_peer(
+        self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None
+    ) -> LookupResult:
+        return self.fetcher.lease_for_peer(ns_id, keys, lease_ttl_s)
+
+    def fetch(
+        self, ns_id: bytes, keys: Sequence[bytes], holder: str, timeout_s: float | None
+    ) -> FetchResult:
+        return self.fetcher.fetch(ns_id, keys, holder, timeout_s)
+
+    def stats(self) -> dict[str, int]:
+        out = self.fetcher.stats()
+        out["remote_inflight_ops"] = int(getattr(self.transport, "inflight_ops", 0))
+        counters = self.demoter.counters if self.demoter else {}
+        for name in ("demoted_chunks", "demoted_bytes", "demotion_failures"):
+            out[f"remote_{name}"] = counters.get(name, 0)
+        return out
+
+    def close(self) -> None:
+        if self.demoter is not None:
+            self.demoter.stop()
+        self.fetcher.close()
+        self.transport.close()
+        self.peers.close()

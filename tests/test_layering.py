@@ -1,0 +1,149 @@
+"""One dependency direction (docs/design.md, "Layers"), checked on every import statement of the
+product, module-level or inside functions:
+
+    composition roots (kvtier.cli, kvtier.__main__), bench      anything below
+    connector                                                     tiers, service APIs, core
+    router                                                        the index's api/client, core
+    tiers                                                         service APIs and clients, core
+    store / index servers                                         their own package, the other
+                                                                  service's api/client, core
+    store / index api + client                                    their own api/client, core
+    core (keys, errors, chunks, config, rpc, http)                core
+
+and the vLLM process (the connector, an embedded store) imports no server machinery.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ROOTS = {"kvtier.cli", "kvtier.__main__"}
+CORE = "core"
+
+# Imports that break the rule on purpose, each with its reason.
+EXCEPTIONS = {
+    # embedded mode: the store / index run in the caller's process behind the same interface
+    ("kvtier.store.client", "kvtier.store.node"),
+    ("kvtier.index.client", "kvtier.index.service"),
+    # deprecated alias (kvtier.store.service.connect -> kvtier.tiers.connect)
+    ("kvtier.store.service", "kvtier.tiers"),
+}
+
+
+def modules() -> dict[str, Path]:
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
+    folders = {folder: package for package, folder in mapping.items()}
+    out = {}
+    for folder, package in folders.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            if rel.parts and rel.parts[0] in {f.split("/")[0] for f in folders if f != folder}:
+                continue
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([package, *parts])
+            if "_pb2" not in name:
+                out[name] = path
+    return out
+
+
+def layer(module: str) -> str:
+    if module in ROOTS:
+        return "root"
+    for service in ("store", "index"):
+        prefix = f"kvtier.{service}"
+        if module == prefix or module.startswith(prefix + "."):
+            rest = module[len(prefix) + 1 :].split(".")[0]
+            return f"{service}.api" if rest in ("api", "client", "proto") else f"{service}.server"
+    for top in ("bench", "connector", "router", "tiers"):
+        if module == f"kvtier.{top}" or module.startswith(f"kvtier.{top}."):
+            return top
+    return CORE
+
+
+ALLOWED = {
+    "root": None,  # anything
+    "bench": None,
+    "connector": {"connector", "tiers", "store.api", "index.api", CORE},
+    "router": {"router", "index.api", CORE},
+    "tiers": {"tiers", "store.api", "index.api", CORE},
+    "store.server": {"store.server", "store.api", "index.api", CORE},
+    "index.server": {"index.server", "index.api", "store.api", CORE},
+    "store.api": {"store.api", CORE},
+    "index.api": {"index.api", "store.api", CORE},
+    CORE: {CORE},
+}
+
+
+def imports(path: Path, module: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            out.add(target)
+            out |= {f"{target}.{a.name}" for a in node.names}
+    return {m for m in out if m == "kvtier" or m.startswith("kvtier.")}
+
+
+def known(name: str, all_modules: dict[str, Path]) -> str | None:
+    """The module an imported name refers to (``from kvtier.x import y``: y may be a name)."""
+    while name and name not in all_modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_one_dependency_direction() -> None:
+    all_modules = modules()
+    assert "kvtier.connector.scheduler" in all_modules and "kvtier.keys" in all_modules
+    violations = []
+    for module, path in sorted(all_modules.items()):
+        allowed = ALLOWED[layer(module)]
+        if allowed is None:
+            continue
+        for imported in imports(path, module):
+            target = known(imported, all_modules)
+            if target is None or layer(target) in allowed:
+                continue
+            if any(module.startswith(a) and target.startswith(b) for a, b in EXCEPTIONS):
+                continue
+            violations.append(f"{module} ({layer(module)}) imports {target} ({layer(target)})")
+    assert not violations, "\n".join(violations)
+
+
+@pytest.mark.parametrize("embedded", [True, False])
+def test_the_vllm_process_imports_no_server_machinery(embedded: bool, tmp_path: Path) -> None:
+    """The connector (scheduler side: tiers, an embedded store; worker side: copies) loads none
+    of kvtier's HTTP or gRPC servers nor their wiring (vLLM brings FastAPI on its own)."""
+    code = f"""
+import sys
+import kvtier.connector.vllm_connector, kvtier.connector.worker
+from kvtier.config import StoreConfig
+from kvtier.tiers import connect
+if {embedded}:
+    tier = connect(StoreConfig(run_dir={str(tmp_path)!r}, pool={{"capacity": 1 << 20}}))
+    tier.close()
+bad = sorted(m for m in sys.modules if m in (
+    "kvtier.http", "kvtier.store.http", "kvtier.index.http", "kvtier.store.grpc_server",
+    "kvtier.index.grpc_server", "kvtier.store.service", "kvtier.index.service", "kvtier.bench"))
+print(",".join(bad))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == "", f"the vLLM process imported {out}"

@@ -1,0 +1,303 @@
+"""Session-bound leases: a client's leases end with its session, so a killed engine frees its
+pins in seconds, not at its leases' TTL.
+
+The state machine (fake clock): a session ends by close or by a missed heartbeat, and takes
+its read leases (unpinned) and write leases (aborted) with it. Over gRPC: ``GrpcStoreClient``
+opens, heartbeats, re-opens and closes its session by itself. The drill: a real store, a real
+client process holding long leases, SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import StoreProcess, start_store_process
+
+from kvtier.errors import ErrorCode, KvtierError
+from kvtier.keys import Namespace, prompt_keys
+from kvtier.store.api.types import AllocStatus, LeaseStatus
+from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.store.core import StoreCore
+from kvtier.store.limits import StoreLimits
+from kvtier.tiers.cpu import CpuTier
+
+PAGE = 4096
+NS = Namespace(
+    model="sessions", dtype="float16", num_layers=1, num_kv_heads=1, head_size=8, chunk_tokens=4
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def keys(n: int, start: int = 0, ns: Namespace = NS) -> list[bytes]:
+    return prompt_keys(ns, list(range(4 * start, 4 * (start + n))))
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def core(clock: FakeClock) -> StoreCore:
+    return StoreCore(
+        node_id="n",
+        epoch=1,
+        capacity_bytes=16 * PAGE,
+        page_size=PAGE,
+        eviction="lru",
+        lease_ttl_s=300,
+        write_ttl_s=300,
+        clock=clock,
+        limits=StoreLimits(session_timeout_s=5, max_sessions=3),
+    )
+
+
+def committed(core: StoreCore, ns_id: bytes, n: int) -> list[bytes]:
+    ks = keys(n, start=1000)
+    result = core.allocate(ns_id, ks, [PAGE] * n)
+    core.commit(result.lease_id, None, [1] * n)
+    return ks
+
+
+def test_a_session_that_misses_its_heartbeat_takes_its_leases(
+    core: StoreCore, clock: FakeClock
+) -> None:
+    ns_id = core.register_namespace(NS, PAGE)
+    held = committed(core, ns_id, 3)
+    session = core.open_session()
+    read = core.lookup(ns_id, held, lease_ttl_s=300, session=session).lease_id
+    write = core.allocate(ns_id, keys(2), [PAGE] * 2, session=session).lease_id
+    other = core.lookup(ns_id, held, lease_ttl_s=300).lease_id  # no session: TTL only
+    for _ in range(4):  # heartbeats keep it alive well past the timeout
+        clock.now += 4
+        assert core.heartbeat(session)
+    core.reap()
+    assert core.stats()["read_leases"] == 2 and core.stats()["write_leases"] == 1
+    clock.now += 5.1  # silence: the client is gone
+    core.reap()
+    stats = core.stats()
+    assert stats["read_leases"] == 1 and stats["write_leases"] == 0
+    assert stats["writing_bytes"] == 0 and stats["sessions"] == 0
+    assert stats["sessions_expired"] == 1
+    assert stats["session_released_read"] == 1 and stats["session_released_write"] == 1
+    assert not core.heartbeat(session)  # the client must open a new one
+    assert core.release([read]) == [LeaseStatus.EXPIRED]  # what it copied may be torn
+    with pytest.raises(KvtierError) as err:
+        core.commit(write, None, [1, 1])
+    assert err.value.code is ErrorCode.LEASE_EXPIRED
+    assert core.release([other]) == [LeaseStatus.OK]
+    core.check_invariants()
+
+
+def test_close_session_releases_and_counts(core: StoreCore) -> None:
+    ns_id = core.register_namespace(NS, PAGE)
+    held = committed(core, ns_id, 2)
+    session = core.open_session()
+    core.lookup(ns_id, held, lease_ttl_s=300, session=session)
+    core.lookup(ns_id, held[:1], lease_ttl_s=300, session=session)
+    released = core.lookup(ns_id, held, lease_ttl_s=300, session=session).lease_id
+    core.release([released])  # ended by its holder: not the session's to end any more
+    core.allocate(ns_id, keys(1), [PAGE], session=session)
+    assert core.close_session(session) == 3
+    assert core.close_session(session) == 0  # unknown now
+    stats = core.stats()
+    assert stats["pinned_bytes"] == 0 and stats["writing_bytes"] == 0
+    assert stats["sessions_closed"] == 1 and stats["sessions_expired"] == 0
+    core.check_invariants()
+
+
+def test_unknown_session_changes_nothing(core: StoreCore) -> None:
+    ns_id = core.register_namespace(NS, PAGE)
+    held = committed(core, ns_id, 2)
+    for call in (
+        lambda: core.lookup(ns_id, held, lease_ttl_s=10, session=12345),
+        lambda: core.allocate(ns_id, keys(2), [PAGE] * 2, session=12345),
+    ):
+        with pytest.raises(KvtierError) as err:
+            call()
+        assert err.value.code is ErrorCode.UNKNOWN_SESSION
+    stats = core.stats()
+    assert stats["read_leases"] == stats["write_leases"] == stats["pinned_bytes"] == 0
+    assert stats["lookups"] == 0 and stats["allocated"] == 2  # only committed()'s
+    assert core.lookup(ns_id, held, session=12345).lease_id == 0  # no lease: no session needed
+
+
+def test_sessions_are_bounded(core: StoreCore) -> None:
+    opened = [core.open_session() for _ in range(3)]
+    with pytest.raises(KvtierError) as err:
+        core.open_session()
+    assert err.value.code is ErrorCode.LIMIT_EXCEEDED
+    core.close_session(opened[0])
+    core.open_session()
+
+
+def test_a_lease_created_without_a_session_can_be_bound_to_one(core: StoreCore) -> None:
+    """What the store does for lease_for_peer: the remote tier leases, then binds."""
+    ns_id = core.register_namespace(NS, PAGE)
+    held = committed(core, ns_id, 2)
+    session = core.open_session()
+    lease = core.lookup(ns_id, held, lease_ttl_s=300).lease_id
+    core.bind_session(lease, session)
+    assert core.close_session(session) == 1
+    late = core.lookup(ns_id, held, lease_ttl_s=300).lease_id
+    with pytest.raises(KvtierError) as err:
+        core.bind_session(late, session)  # the session ended meanwhile: the lease ends too
+    assert err.value.code is ErrorCode.UNKNOWN_SESSION
+    assert core.stats()["pinned_bytes"] == 0 and core.stats()["read_leases"] == 0
+
+
+# -- over gRPC ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(run_dir: Path) -> Iterator[StoreProcess]:
+    proc = start_store_process(run_dir, "16MiB", env={"KVTIER_STORE__SESSION_TIMEOUT_S": "1.5"})
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+CHUNK = 1 << 20
+
+
+def put(address: str, ks: list[bytes], seed: int = 0) -> tuple[bytes, list[AllocStatus]]:
+    with CpuTier(GrpcStoreClient(address)) as tier:
+        ns_id = tier.register_namespace(NS, CHUNK)
+        with tier.allocate(ns_id, ks, CHUNK) as lease:
+            for i in lease.allocated:
+                lease.write(i, np.full(CHUNK, seed + i, np.uint8))
+        return ns_id, list(lease.statuses)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def test_grpc_client_runs_its_session(store: StoreProcess) -> None:
+    ns_id, _ = put(store.address, keys(2))
+    admin = GrpcStoreClient(store.address)
+    client = GrpcStoreClient(store.address)
+    try:
+        assert client.info().session_timeout_s == 1.5
+        assert client.lookup(ns_id, keys(2)).lease_id == 0
+        assert admin.stats()["sessions"] == 0  # no lease yet: no session
+        lease = client.lookup(ns_id, keys(2), lease_ttl_s=300).lease_id
+        assert lease and admin.stats()["sessions"] == 1
+        time.sleep(4)  # > 2 timeouts: the heartbeat thread keeps the session and lease alive
+        assert client.release([lease]) == [LeaseStatus.OK]
+        # The store ends the session (as it would after a long pause): the client re-opens.
+        first = client._session
+        assert admin.close_session(first) == 0
+        lease = client.lookup(ns_id, keys(2), lease_ttl_s=300).lease_id
+        assert lease and client._session not in (0, first)
+        assert admin.stats()["read_leases"] == 1
+        client.close()  # ends the session, and its lease with it
+        stats = admin.stats()
+        assert stats["sessions"] == 0 and stats["read_leases"] == 0
+        assert stats["pinned_bytes"] == 0 and stats["session_released_read"] == 1
+    finally:
+        client.close()
+        admin.close()
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from kvtier.keys import Namespace
+    from kvtier.store.client.grpc import GrpcStoreClient
+
+    address, ns_json, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    held = [bytes.fromhex(k) for k in sys.argv[4].split(",")]
+    fresh = [bytes.fromhex(k) for k in sys.argv[5].split(",")]
+    client = GrpcStoreClient(address)
+    ns_id = client.register_namespace(Namespace.model_validate_json(ns_json), chunk)
+    read = client.lookup(ns_id, held, lease_ttl_s=300)
+    write = client.allocate(ns_id, fresh, [chunk] * len(fresh), ttl_s=300)
+    assert len(read.hits) == len(held) and write.lease_id
+    print("leased", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_killed_client_frees_its_pins_in_seconds(run_dir: Path) -> None:
+    """The drill: an engine holding 300 s leases is SIGKILLed; its pins go within seconds
+    (store.session_timeout_s, default 5 s), and what they pinned is evictable again."""
+    store = start_store_process(run_dir, "16MiB", env={"KVTIER_STORE__POOL__EVICTION": "lru"})
+    admin = GrpcStoreClient(store.address)
+    child = None
+    try:
+        pinned = keys(4)
+        ns_id, statuses = put(store.address, pinned)
+        assert statuses == [AllocStatus.ALLOCATED] * 4
+        fresh = keys(1, start=100)
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CHILD,
+                store.address,
+                NS.model_dump_json(),
+                str(CHUNK),
+                ",".join(k.hex() for k in pinned),
+                ",".join(k.hex() for k in fresh),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None and child.stdout.readline().strip() == "leased"
+        stats = admin.stats()
+        assert stats["read_leases"] == 1 and stats["write_leases"] == 1
+        assert stats["pinned_bytes"] == 4 * CHUNK and stats["sessions"] == 1
+        # While the client lives its chunks are pinned: a flood of puts cannot evict them.
+        flood = keys(16, start=200)
+        for i in range(0, 16, 4):
+            put(store.address, flood[i : i + 4], seed=i)
+        assert len(admin.lookup(ns_id, pinned).hits) == 4  # (LRU: now the most recent)
+
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        took = wait_for(
+            lambda: admin.stats()["read_leases"] == 0 and admin.stats()["write_leases"] == 0,
+            60,
+            "the killed client's leases to end",
+        )
+        assert took < 60  # well under the 300 s TTL
+        stats = admin.stats()
+        assert stats["pinned_bytes"] == 0 and stats["writing_bytes"] == 0
+        assert stats["sessions"] == 0 and stats["sessions_expired"] == 1
+        assert stats["session_released_read"] == 1 and stats["session_released_write"] == 1
+        assert stats["expired_read"] == 0  # ended with the session, not by TTL
+
+        # The chunks it pinned are evictable again: a flood the size of the pool takes them.
+        more = keys(16, start=400)
+        for i in range(0, 16, 4):
+            _, statuses = put(store.address, more[i : i + 4], seed=i)
+            assert statuses == [AllocStatus.ALLOCATED] * 4
+        assert admin.lookup(ns_id, pinned).hits == []
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        admin.close()
+        store.stop()

@@ -1,1 +1,0 @@
-"""The CPU tier: a node-shared DRAM pool in POSIX shared memory."""
