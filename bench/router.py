@@ -20,13 +20,12 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
 from kvtier.bench.services import Service, _start
 from kvtier.chunks import Tier
-from kvtier.config_router import RouterConfig
+from kvtier.config_router import BackendConfig, RouterConfig
 from kvtier.index.api import ChunkOp, LocationKind, Query, Registration
 from kvtier.index.client.grpc import GrpcIndexClient
 from kvtier.keys import Namespace, prompt_keys
@@ -116,11 +115,12 @@ def run(
             system = _text(rng, max_tokens // 2)  # a long shared system prompt, half held
             shared_ids = tokenizer.chat_ids({"messages": [{"role": "system", "content": system}]})
             _populate(index, ns, backends, shared_ids)
-            config = RouterConfig(policy=policy)
-            table = Backends(config, index)
-            table.config = config.model_copy(update={"discover": True})
-            for b in range(backends):
-                table._by_name[f"i{b:02d}"] = _backend(f"i{b:02d}")
+            names = [f"i{b:02d}" for b in range(backends)]
+            config = RouterConfig(
+                policy=policy,
+                backends=[BackendConfig(url=f"http://{n}.invalid:8000", name=n) for n in names],
+            )
+            table = Backends(config, index)  # refresh() learns their namespaces and nodes
             table.refresh()
             core = RoutingCore(table, make_policy(policy), index, speculative_s=0)
             steps: dict[str, list[float]] = {k: [] for k in ("tokenize", "route", "decision")}
@@ -165,12 +165,6 @@ def run(
         "floors": {k: _pcts(v) for k, v in floors.items() if v},
         "budget_ms": 2.0,
     }
-
-
-def _backend(name: str) -> Any:
-    from kvtier.router.backends import Backend
-
-    return Backend(name, f"http://{name}.invalid:8000", static=True)
 
 
 def print_report(report: dict) -> None:

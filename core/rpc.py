@@ -194,10 +194,6 @@ def open_channel(
     return channel
 
 
-def insecure_channel(address: str) -> grpc.Channel:
-    return open_channel(address)
-
-
 # -- credentials: server side ----------------------------------------------------------------
 
 _CALLER: ContextVar[Principal] = ContextVar("kvtier_caller", default=ANONYMOUS)

@@ -31,10 +31,12 @@ from typing import IO, Any
 from kvtier.chunks import Tier
 from kvtier.index.api import ChunkIndex, LocationKind, Query, QueryResult
 from kvtier.keys import Namespace, prompt_keys
-from kvtier.router.backends import Backend, Backends
+from kvtier.router.backends import Backend, Backends, NoBackend
 from kvtier.router.policies import Candidate, Coverage, Decision, Policy, RouteRequest
 
 log = logging.getLogger(__name__)
+
+NAMESPACE_RETRY_S = 1.0
 
 
 @dataclass
@@ -96,6 +98,7 @@ class RoutingCore:
         self.speculative = Speculative(speculative_s)
         self._policy_lock = threading.Lock()
         self._namespaces: dict[bytes, Namespace] = {}
+        self._list_after = 0.0  # next time an unknown namespace may make us list them
         self._log: IO[str] | None = decision_log.open("a") if decision_log else None
         self._log_lock = threading.Lock()
 
@@ -114,8 +117,6 @@ class RoutingCore:
         if subset is not None:
             backends = [b for b in backends if b.name in subset or _hostport(b.url) in subset]
             if not backends:
-                from kvtier.router.backends import NoBackend
-
                 raise NoBackend(False, "no healthy instance in the requested subset")
         coverage, keys_of = self._coverage(backends, token_ids)
         candidates = [
@@ -181,8 +182,13 @@ class RoutingCore:
         return out, keys_of
 
     def _namespace(self, ns_id: bytes) -> Namespace | None:
+        """The namespace's definition, from the index's list. A namespace the index cannot
+        define is asked about again at most every ``NAMESPACE_RETRY_S``: listing every
+        namespace is not work for each request of the hot path."""
         namespace = self._namespaces.get(ns_id)
-        if namespace is None and self.index is not None:
+        now = time.monotonic()
+        if namespace is None and self.index is not None and now >= self._list_after:
+            self._list_after = now + NAMESPACE_RETRY_S
             try:
                 known = self.index.namespaces()
             except Exception:
