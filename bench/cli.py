@@ -382,7 +382,7 @@ def bench_cluster(
     pool: Annotated[str, typer.Option(help="DRAM per node: kvtier pool, LMCache L1")] = "256MiB",
     kv_cache: Annotated[
         str | None,
-        typer.Option(help="each instance's KV cache (default: 4096 tokens' worth: 4MiB on tiny)"),
+        typer.Option(help="each instance's KV cache (default: 4096 tokens' worth; quick 2304)"),
     ] = None,
     chunk_tokens: Annotated[int, typer.Option(help="kvtier's and LMCache's chunk")] = 64,
     max_model_len: Annotated[int, typer.Option(help="vLLM's; prompts are capped below it")] = 2048,

@@ -131,12 +131,16 @@ class ClusterSettings:
 FULL: dict[str, Any] = {  # ~110 requests over ~105 s; ~3 min per configuration
     "window_seconds": 120.0, "window_start": None, "sample_ratio": 0.5, "limit": None,
     "time_scale": 0.5, "max_gap_s": None, "instances_per_node": 2, "block_tokens": 8,
-    "preset": "cpu-bench",
+    "preset": "cpu-bench", "kv_cache_tokens": 4096,
 }  # fmt: skip
 QUICK: dict[str, Any] = {  # ~40 requests, 25 sessions, mostly multi-turn: GPU and DRAM hits
     "window_seconds": 20.0, "window_start": 310.0, "sample_ratio": 0.5, "limit": None,
     "time_scale": 0.5, "max_gap_s": 2.0, "instances_per_node": 1, "block_tokens": 16,
-    "preset": "tiny",
+    # Room for one longest prompt (2032 tokens) and little more: a session's returning turn
+    # finds its prefix evicted by the 4-6k tokens of other requests since its last turn, so it
+    # hits node DRAM (its own node's or, sent elsewhere, the other's), not only the GPU; at
+    # 4096 tokens a run saw 576 DRAM-hit tokens on one machine and none on another.
+    "preset": "tiny", "kv_cache_tokens": 2304,
 }  # fmt: skip
 
 
@@ -183,7 +187,7 @@ def make_topology(
     instances_per_node: int | None = None,
     pool: str = "256MiB",
     kv_cache_bytes: int | None = None,
-    kv_cache_tokens: int = 4096,
+    kv_cache_tokens: int | None = None,
     chunk_tokens: int = 64,
     max_model_len: int = 2048,
 ) -> Topology:
@@ -194,7 +198,8 @@ def make_topology(
         instances_per_node=instances_per_node or (QUICK if quick else FULL)["instances_per_node"],
         pool=pool,
         pool_bytes=int(TypeAdapter(ByteSize).validate_python(pool)),
-        kv_cache_bytes=kv_cache_bytes or kv_cache_tokens * kv_bytes_per_token,
+        kv_cache_bytes=kv_cache_bytes
+        or (kv_cache_tokens or (QUICK if quick else FULL)["kv_cache_tokens"]) * kv_bytes_per_token,
         chunk_tokens=chunk_tokens,
         max_model_len=max_model_len,
         min_hit_tokens={"cpu": chunk_tokens, "remote": 2 * chunk_tokens},

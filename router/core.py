@@ -83,6 +83,18 @@ class Speculative:
         return n
 
 
+def _spread_key(token_ids: Sequence[int] | None) -> str | None:
+    """What a request without a session spreads ties by: its length and last tokens, which
+    tell prompts apart (the user's turn ends them) where their first tokens would not (a
+    shared system prompt would send every tie to one instance)."""
+    if not token_ids:
+        return None
+    return f"{len(token_ids)}:{','.join(map(str, token_ids[-SPREAD_TAIL_TOKENS:]))}"
+
+
+SPREAD_TAIL_TOKENS = 32
+
+
 class RoutingCore:
     def __init__(
         self,
@@ -122,8 +134,9 @@ class RoutingCore:
         candidates = [
             Candidate(b.name, b.load(), coverage.get(b.name, Coverage())) for b in backends
         ]
+        request = RouteRequest(prompt_tokens, session, _spread_key(token_ids))
         with self._policy_lock:
-            decision = self.policy.choose(RouteRequest(prompt_tokens, session), candidates)
+            decision = self.policy.choose(request, candidates)
         chosen = backends[decision.index]
         keys = keys_of.get(chosen.namespace or b"")
         if keys:

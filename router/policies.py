@@ -23,14 +23,20 @@ why, and every candidate's score (for the decision log).
   everywhere, so load decides and a shared system prompt stops being a hot spot; leaving the
   GPU holder costs a fetch, not a recompute, and the gate compares exactly that.
 
-Ties always break by name, so replicas of the router agree. Not thread-safe: a router calls a
-policy from one thread (or under a lock); ``sticky`` keeps a session table.
+Exact ties (same score, same coverage, same load: idle instances and a cold prompt, the
+common case at low load) break by rendezvous hashing on the request's ``spread_key`` (its
+session, else its first chunk), then by name: cold sessions spread evenly over the instances
+instead of all landing on the first name, a session's cold turns keep meeting the same
+instance, and replicas of the router still agree because nothing depends on their history.
+Not thread-safe: a router calls a policy from one thread (or under a lock); ``sticky`` keeps a
+session table.
 """
 
 from __future__ import annotations
 
 import abc
 import bisect
+import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -71,6 +77,13 @@ class Candidate:
 class RouteRequest:
     tokens: int  # prompt length
     session: str | None = None
+    # What exact ties spread by: the session, else something of the prompt's start (the
+    # router: its first tokens; the simulator: its first block). None: ties go by name.
+    spread_key: str | None = None
+
+    @property
+    def tie_key(self) -> str | None:
+        return self.session if self.session is not None else self.spread_key
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,16 @@ def _load_key(c: Candidate) -> tuple[float, int]:
     return c.load.pending_prefill_tokens, c.load.running
 
 
+def _spread(request: RouteRequest, c: Candidate) -> tuple[int, str]:
+    """The last tie-breaker: rendezvous hashing of the request's tie key with each name (the
+    same order in every router replica, uniform over instances), then the name."""
+    key = request.tie_key
+    if key is None:
+        return 0, c.name
+    digest = hashlib.blake2b(f"{key}\0{c.name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little"), c.name
+
+
 def _overloaded(c: Candidate, candidates: Sequence[Candidate], factor: float) -> bool:
     """Load (pending prefill tokens, else running requests) above ``factor`` x the average."""
     pending = [x.load.pending_prefill_tokens for x in candidates]
@@ -170,7 +193,7 @@ class LeastLoad(Policy):
     name = "least-load"
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        keys = [(*_load_key(c), c.name) for c in candidates]
+        keys = [(*_load_key(c), *_spread(request, c)) for c in candidates]
         return Decision(_argmin(keys), "least-load", tuple(float(k[0]) for k in keys))
 
 
@@ -217,7 +240,7 @@ class CacheAware(Policy):
         def cached(c: Candidate) -> float:
             return c.coverage.gpu + self.dram_credit * (c.coverage.dram - c.coverage.gpu)
 
-        keys = [(-cached(c), *_load_key(c), c.name) for c in candidates]
+        keys = [(-cached(c), *_load_key(c), *_spread(request, c)) for c in candidates]
         return Decision(_argmin(keys), "longest-prefix", tuple(float(k[0]) for k in keys))
 
 
@@ -237,7 +260,7 @@ class LMetric(Policy):
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         scores = [self.score(c, request.tokens) for c in candidates]
         keys = [
-            (s, self.uncached(c, request.tokens), c.name)
+            (s, self.uncached(c, request.tokens), *_load_key(c), *_spread(request, c))
             for s, c in zip(scores, candidates, strict=True)
         ]
         return Decision(_argmin(keys), "score", tuple(scores))
@@ -293,7 +316,10 @@ class Kvtier(Policy):
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         tokens = request.tokens
         scores = [self.score(c, tokens) for c in candidates]
-        keys = [(s, -c.coverage.gpu, c.name) for s, c in zip(scores, candidates, strict=True)]
+        keys = [
+            (s, -c.coverage.gpu, *_load_key(c), *_spread(request, c))
+            for s, c in zip(scores, candidates, strict=True)
+        ]
         best = _argmin(keys)
         holder = _argmin([(-c.coverage.gpu, c.name) for c in candidates])
         if (

@@ -1,7 +1,8 @@
 """``kvtier bench cluster``: the trace made small (sampling, cut, cap), the figures (tier hits,
 per-instance load, the router's decision histogram), the report, and one ``--quick`` run on
 real processes (index, stores, vLLM CPU servers, router) that asserts behaviour, not timings:
-every request answered, GPU hits in every configuration, DRAM hits only with kvtier.
+every request answered, GPU hits in every configuration, DRAM hits (this node's or the
+other's) only with kvtier.
 
 Budget: the unit tests take ~4 s; the smoke test starts 2 vLLM servers per configuration,
 3 configurations, ~3 minutes on 2 cores (172 s measured).
@@ -225,7 +226,9 @@ def test_quick_run_answers_everything_with_the_tiers_where_expected(tmp_path: Pa
         tokens = r["tiers"]["tokens"]
         assert tokens["device"] > 0, f"{name}: no GPU prefix hit"
         if cluster.CONFIGS[name].kvtier:
-            assert tokens["host"] > 0, f"{name}: no DRAM hit"
+            # Which DRAM (this node's or the other's) depends on where the router sent a
+            # returning turn under the run's load; the demo test pins each tier exactly.
+            assert tokens["host"] + tokens["p2p"] > 0, f"{name}: no DRAM hit, local or remote"
         else:
             assert tokens["host"] == tokens["p2p"] == 0, name
         assert r["router_decision"]["count"] == sent, name

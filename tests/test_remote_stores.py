@@ -266,13 +266,13 @@ def test_holder_restarted_at_the_same_address(tmp_path: Path) -> None:
 # -- faults: holder killed / frozen in the middle of a transfer ------------------------------
 
 BIG = 4 * MiB
-BIG_N = 40  # 160 MiB: a few hundred ms over loopback TCP, time enough to strike
+BIG_N = 72  # 288 MiB: ~100 ms or more over loopback TCP, time enough to strike
 
 
 @pytest.fixture
 def big_pair(tmp_path: Path) -> Iterator[tuple[StoreProcess, StoreProcess, bytes, list[bytes]]]:
-    a = remote_store(tmp_path, "256MiB", "node-a")
-    b = remote_store(tmp_path, "256MiB", "node-b")
+    a = remote_store(tmp_path, "384MiB", "node-a")
+    b = remote_store(tmp_path, "384MiB", "node-b")
     try:
         ns_id, keys = put(b, NS, BIG, range(BIG_N))
         yield a, b, ns_id, keys
@@ -296,7 +296,11 @@ def fetch_and_strike(a: StoreProcess, b: StoreProcess, ns_id, keys, sig: int):
 
     thread = threading.Thread(target=run)
     thread.start()
-    wait_for(lambda: ca.stats()["remote_inflight_ops"] > 0, 10, "the transfer to start")
+    # Poll without sleeping: over fast loopback the whole transfer takes well under 100 ms, so
+    # a 50 ms poll could strike after the last byte (seen on CI) and the drill would test nothing.
+    deadline = time.monotonic() + 10
+    while ca.stats()["remote_inflight_ops"] == 0:
+        assert time.monotonic() < deadline and thread.is_alive(), "the transfer never started"
     os.kill(b.proc.pid, sig)
     thread.join(timeout=15)
     assert not thread.is_alive(), "fetch hung"

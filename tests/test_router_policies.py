@@ -328,16 +328,42 @@ def test_kvtier_gate_margin() -> None:
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_deterministic_tie_break_by_name(name: str) -> None:
-    """Identical candidates: the first name wins, whatever the order they come in."""
+def test_deterministic_tie_break(name: str) -> None:
+    """Identical candidates: the same one wins whatever order they come in and whichever
+    replica asks (nothing depends on history); without a tie key, the first name."""
     same = dict(pending=100.0, running=1, gpu=1000, dram=2000, remote=3000)
-    for order in (["c", "a", "b"], ["b", "c", "a"], ["a", "b", "c"]):
-        cs = [cand(n, **same) for n in order]  # type: ignore[arg-type]
-        d = make_policy(name).choose(req(4000, "s"), cs)
-        if name == "round-robin":
-            assert d.index == 0  # in turn, not by name
-        else:
-            assert cs[d.index].name == "a", (name, order)
+    for session in ("s", "t", None):
+        winners = set()
+        for order in (["c", "a", "b"], ["b", "c", "a"], ["a", "b", "c"]):
+            cs = [cand(n, **same) for n in order]  # type: ignore[arg-type]
+            d = make_policy(name).choose(req(4000, session), cs)
+            if name == "round-robin":
+                assert d.index == 0  # in turn, not by name
+            winners.add(cs[d.index].name)
+        if name != "round-robin":
+            assert len(winners) == 1, (name, session, winners)
+            if session is None:
+                assert winners == {"a"}
+
+
+@pytest.mark.parametrize(
+    "name", ["least-load", "sticky", "cache-aware", "lmetric", "hybrid", "kvtier"]
+)
+def test_exact_ties_spread_over_instances_by_session(name: str) -> None:
+    """Idle instances, cold prompts (the low-load case that piled everything on the first name):
+    sessions spread evenly by rendezvous hash, and a session's ties keep meeting the same one."""
+    policy = make_policy(name)
+    cs = [cand(n) for n in ("a", "b", "c", "d")]
+    first = {f"s{i}": cs[policy.choose(req(4000, f"s{i}"), cs).index].name for i in range(400)}
+    counts = Counter(first.values())
+    assert set(counts) == {"a", "b", "c", "d"} and min(counts.values()) >= 70, counts
+    again = {s: cs[policy.choose(req(4000, s), cs).index].name for s in first}
+    assert again == first
+    # No session: the prompt's own spread key (the router's: length and last tokens).
+    keyed = Counter(
+        cs[policy.choose(RouteRequest(4000, None, f"p{i}"), cs).index].name for i in range(400)
+    )
+    assert min(keyed.values()) >= 70, keyed
 
 
 def test_make_policy_names() -> None:
@@ -366,15 +392,18 @@ def test_adapter_builds_candidates_from_cluster_state() -> None:
     spec = ClusterSpec(instances=2, instances_per_node=1, gpu_blocks=0, dram_blocks=100)
     sim = ClusterSim(spec, make_policy("kvtier"))
     a = TraceRequest(timestamp=0, input_length=1500, output_length=10, hash_ids=[1, 2, 3])
-    assert sim.step(a)[0] == 0
-    assert sim.tier_runs([1, 2, 3, 4]) == [(0, 3, 0), (0, 0, 3)]
+    first = sim.step(a)[0]  # idle instances, a cold prompt: an exact tie, spread by hash
+    other = 1 - first
+    runs = [(0, 0, 0), (0, 0, 0)]
+    runs[first], runs[other] = (0, 3, 0), (0, 0, 3)
+    assert sim.tier_runs([1, 2, 3, 4]) == runs
     cs = sim.router.candidates(sim, [1, 2, 3, 4], 2000, now=0.0)
     assert [c.name for c in cs] == ["i0", "i1"]
-    assert cs[0].coverage == Coverage(0, 1536, 1536)  # 3 blocks of 512 of a 2000-token prompt
-    assert cs[1].coverage == Coverage(0, 0, 1536)
-    # i0 is prefilling 1500 tokens at 10k tokens/s: 0.15 s of backlog at t=0.
-    assert cs[0].load == Load(1500.0, 1)
-    assert cs[1].load == Load(0.0, 0)
+    assert cs[first].coverage == Coverage(0, 1536, 1536)  # 3 blocks of 512 of 2000 tokens
+    assert cs[other].coverage == Coverage(0, 0, 1536)
+    # It is prefilling 1500 tokens at 10k tokens/s: 0.15 s of backlog at t=0.
+    assert cs[first].load == Load(1500.0, 1)
+    assert cs[other].load == Load(0.0, 0)
     # Cache-blind policies get no coverage.
     blind = SimRouter(make_policy("least-load"), 2, 512)
     assert all(c.coverage == Coverage() for c in blind.candidates(sim, [1, 2, 3], 1500, 0.0))
@@ -421,6 +450,6 @@ def test_simulated_kvtier_spreads_a_shared_prefix_cache_aware_piles_it() -> None
         [ClusterSpec(**{**base.__dict__, "routing": r}) for r in ("cache-aware", "kvtier")],
         derive_sessions=True,
     )
-    assert aware["load"]["requests_per_instance"] == [40, 0, 0, 0]
+    assert sorted(aware["load"]["requests_per_instance"]) == [0, 0, 0, 40]
     assert max(kvtier["load"]["requests_per_instance"]) <= 12
     assert kvtier["modelled_ttft_s"]["p90"] < aware["modelled_ttft_s"]["p90"]

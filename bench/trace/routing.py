@@ -108,7 +108,8 @@ class SimRouter:
         self, view: ClusterView, ids: Sequence[int], tokens: int, session: int | None, now: float
     ) -> Decision:
         """The policy's decision; its ``index`` is the instance."""
-        request = RouteRequest(tokens, None if session is None else str(session))
+        spread = f"{len(ids)}:{ids[-1]}" if ids else None  # the last block names the prompt
+        request = RouteRequest(tokens, None if session is None else str(session), spread)
         return self.policy.choose(request, self.candidates(view, ids, tokens, now))
 
 
