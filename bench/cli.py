@@ -162,6 +162,31 @@ def bench_connector_overhead(
     _write({"rows": rows}, json_out)
 
 
+@bench_app.command("decode-overhead")
+def bench_decode_overhead(
+    repeats: Annotated[int, typer.Option(help="rounds; each starts every configuration")] = 2,
+    requests: Annotated[int, typer.Option(help="distinct prompts per server")] = 48,
+    concurrency: Annotated[int, typer.Option(help="streams at a time")] = 8,
+    prompt_tokens: Annotated[int, typer.Option(help="tokens per prompt")] = 300,
+    max_tokens: Annotated[int, typer.Option(help="tokens generated per request")] = 32,
+    configs: Annotated[
+        str, typer.Option(help="vllm (the floor), kvtier-embedded, kvtier-store")
+    ] = "vllm,kvtier-embedded,kvtier-store",
+    json_out: JsonOut = None,
+) -> None:
+    """TPOT and TTFT of one vLLM server with and without kvtier's connector, same workload."""
+    from kvtier.bench import decode_overhead
+
+    chosen = tuple(c.strip() for c in configs.split(",") if c.strip())
+    unknown = [c for c in chosen if c not in decode_overhead.CONFIGS]
+    if not chosen or unknown:
+        raise typer.BadParameter(f"configs: any of {', '.join(decode_overhead.CONFIGS)}")
+    settings = decode_overhead.Settings(repeats, requests, concurrency, prompt_tokens, max_tokens)
+    report = decode_overhead.run(settings, chosen)
+    decode_overhead.print_report(report, settings)
+    _write(decode_overhead.to_json(report, settings), json_out)
+
+
 @bench_app.command("index")
 def bench_index(
     backends: Annotated[str, typer.Option(help="memory,redis")] = "memory,redis",

@@ -327,8 +327,16 @@ class NodeStore(StoreClient):
 # and lock file at once, instead of leaving gigabytes of /dev/shm until the next store starts
 # on the node. A byte on the pipe means "closed cleanly, touch nothing" (a new store may already
 # use the lock file's name).
+#
+# It must not be a descendant of the store's process: supervisors kill whole process trees, not
+# only process groups (vLLM's shutdown SIGKILLs every descendant of its engine process, the
+# embedded store's watchdog included, which left a 1 GiB segment per engine). So the launcher
+# forks the watchdog and exits: the watchdog is re-parented to init (or the nearest subreaper)
+# and holds the pipe's read end; a new session keeps it out of the store's process group too.
 _WATCHDOG = (
     "import os, sys\n"
+    "if os.fork():\n"
+    "    os._exit(0)\n"
     "if not sys.stdin.buffer.read():\n"
     "    for path in sys.argv[1:]:\n"
     "        try:\n"
@@ -340,16 +348,21 @@ _WATCHDOG = (
 
 def _start_watchdog(paths: list[Path]) -> subprocess.Popen | None:
     try:
-        return subprocess.Popen(
+        launcher = subprocess.Popen(
             [sys.executable, "-S", "-c", _WATCHDOG, *map(str, paths)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            start_new_session=True,  # survives a kill of this process's group
+            start_new_session=True,  # out of this process's group as well as its tree
         )
-    except OSError as exc:  # the lock-file cleanup at the next start still covers a crash
+        launcher.wait(10)  # it exits once the watchdog is forked; reaped here, no zombie
+    except (
+        OSError,
+        subprocess.TimeoutExpired,
+    ) as exc:  # the next start's cleanup still covers a crash
         log.warning("no segment watchdog (%s)", exc)
         return None
+    return launcher  # its stdin is the pipe the watchdog reads
 
 
 def _stop_watchdog(watchdog: subprocess.Popen | None) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -266,6 +268,7 @@ def test_hits_collapse_below_the_working_set_and_dram_gives_them_back(tmp_path: 
     configs = [knee.KneeConfig(None, below), knee.KneeConfig(None, above)]
     configs.append(knee.KneeConfig(dram, below))
     settings = knee.RunSettings(model_dir, info, tmp_path / "out")
+    segments_before = _pool_segments()
     report = knee.run(w, configs, settings, preset="tiny", progress=False)
     low, high, tiered = report.results
 
@@ -302,6 +305,16 @@ def test_hits_collapse_below_the_working_set_and_dram_gives_them_back(tmp_path: 
     assert len(data["configs"]) == 3 and data["machine"]["vllm_build"] == "CPU"
     assert (out / "workload.jsonl").exists()
     assert not list(out.glob("*.run"))  # the embedded store's run dir and pool are gone
+    # vLLM's shutdown SIGKILLs its engine's whole process tree; the embedded store's watchdog
+    # is outside it and unlinks the pool segment (1 GiB each was left before it was).
+    deadline = time.monotonic() + 10
+    while _pool_segments() - segments_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _pool_segments() - segments_before
+
+
+def _pool_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("kvtier-")}
 
 
 def _check_closed_loop(records: list[dict]) -> None:

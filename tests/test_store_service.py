@@ -244,12 +244,41 @@ def test_crash_leaves_no_segment_behind(run_dir: Path) -> None:
     assert list(run_dir.iterdir()) == []
 
 
+def _watchdogs(segment: str) -> list[psutil.Process]:
+    """The processes watching ``segment`` (its path is in their arguments)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(segment in arg for arg in p.info["cmdline"] or []):
+            found.append(p)
+    return found
+
+
+def test_crash_of_the_whole_process_tree_leaves_no_segment_behind(run_dir: Path) -> None:
+    """A supervisor that SIGKILLs the store's process and every descendant (vLLM's shutdown does
+    this to its engine process, where an embedded store lives) does not reach the watchdog:
+    it is not a descendant, and it removes the segment and lock file."""
+    crashed = start_store_process(run_dir, "16MiB")
+    assert _watchdogs(crashed.segment), "no watchdog"
+    tree = [psutil.Process(crashed.proc.pid), *psutil.Process(crashed.proc.pid).children(True)]
+    for p in tree:
+        p.kill()
+    psutil.wait_procs(tree, timeout=5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+        segment_exists(crashed.segment) or any(run_dir.iterdir())
+    ):
+        time.sleep(0.05)
+    assert not segment_exists(crashed.segment)
+    assert list(run_dir.iterdir()) == []
+
+
 def test_restart_after_crash_cleans_up(run_dir: Path) -> None:
     """Even with its watchdog gone too (the whole node's processes killed), the next store on
     the node removes what a crashed one left."""
     crashed = start_store_process(run_dir, "16MiB")
     lock = next(run_dir.glob("*.lock"))
-    watchdogs = psutil.Process(crashed.proc.pid).children()
+    watchdogs = _watchdogs(crashed.segment)
+    assert watchdogs
     for child in watchdogs:
         child.kill()
     psutil.wait_procs(watchdogs, timeout=5)

@@ -161,7 +161,7 @@ def test_cache_affinity_alone_makes_a_hot_spot_lmetric_does_not() -> None:
         ],
         derive_sessions=True,
     )
-    assert aware["load"]["requests_per_instance"] == [40, 0, 0, 0]
+    assert sorted(aware["load"]["requests_per_instance"]) == [0, 0, 0, 40]  # one instance
     assert max(lmetric["load"]["requests_per_instance"]) <= 15
     assert lmetric["hit_ratio_blocks"]["gpu"] > rr["hit_ratio_blocks"]["gpu"] * 0.95
     assert lmetric["modelled_ttft_s"]["p90"] < aware["modelled_ttft_s"]["p90"]
