@@ -32,8 +32,6 @@ import os
 import re
 import secrets
 import stat
-import subprocess
-import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +49,7 @@ from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Sn
 from kvtier.store.client.shm import SHM_DIR, SharedSegment, checksum_views
 from kvtier.store.core import StoreCore
 from kvtier.store.limits import StoreLimits
+from kvtier.store.watchdog import start_watchdog, stop_watchdog
 
 if TYPE_CHECKING:
     from kvtier.store.remote.service import RemoteTier
@@ -102,7 +101,7 @@ class NodeStore(StoreClient):
         except BaseException:
             self._release_lock()
             raise
-        self._watchdog = _start_watchdog([SHM_DIR / self.segment_name, self._lock_path])
+        self._watchdog = start_watchdog([SHM_DIR / self.segment_name, self._lock_path])
         self.remote: RemoteTier | None = None
         if config.remote.enabled:
             from kvtier.store.remote.service import RemoteTier
@@ -313,66 +312,13 @@ class NodeStore(StoreClient):
         self.segment.close()
         self.segment.unlink()
         self._release_lock()
-        _stop_watchdog(self._watchdog)
+        stop_watchdog(self._watchdog)
         log.info("store %s epoch %016x closed", self.config.node_id, self.epoch)
 
     def _release_lock(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._lock_path.unlink()
         os.close(self._lock_fd)
-
-
-# A tiny process that outlives this one: when the store's process dies without closing (SIGKILL,
-# an engine killed by its supervisor), the pipe to it reaches EOF and it removes the pool segment
-# and lock file at once, instead of leaving gigabytes of /dev/shm until the next store starts
-# on the node. A byte on the pipe means "closed cleanly, touch nothing" (a new store may already
-# use the lock file's name).
-#
-# It must not be a descendant of the store's process: supervisors kill whole process trees, not
-# only process groups (vLLM's shutdown SIGKILLs every descendant of its engine process, the
-# embedded store's watchdog included, which left a 1 GiB segment per engine). So the launcher
-# forks the watchdog and exits: the watchdog is re-parented to init (or the nearest subreaper)
-# and holds the pipe's read end; a new session keeps it out of the store's process group too.
-_WATCHDOG = (
-    "import os, sys\n"
-    "if os.fork():\n"
-    "    os._exit(0)\n"
-    "if not sys.stdin.buffer.read():\n"
-    "    for path in sys.argv[1:]:\n"
-    "        try:\n"
-    "            os.unlink(path)\n"
-    "        except OSError:\n"
-    "            pass\n"
-)
-
-
-def _start_watchdog(paths: list[Path]) -> subprocess.Popen | None:
-    try:
-        launcher = subprocess.Popen(
-            [sys.executable, "-S", "-c", _WATCHDOG, *map(str, paths)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # out of this process's group as well as its tree
-        )
-        launcher.wait(10)  # it exits once the watchdog is forked; reaped here, no zombie
-    except (
-        OSError,
-        subprocess.TimeoutExpired,
-    ) as exc:  # the next start's cleanup still covers a crash
-        log.warning("no segment watchdog (%s)", exc)
-        return None
-    return launcher  # its stdin is the pipe the watchdog reads
-
-
-def _stop_watchdog(watchdog: subprocess.Popen | None) -> None:
-    if watchdog is None or watchdog.stdin is None:
-        return
-    with contextlib.suppress(OSError):
-        watchdog.stdin.write(b"closed")
-        watchdog.stdin.close()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        watchdog.wait(5)
 
 
 def prepare_run_dir(run_dir: Path) -> Path:
