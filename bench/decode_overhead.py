@@ -12,8 +12,9 @@ interleaved repeat by repeat so a machine's drift hits all of them alike:
 
 The workload: ``requests`` distinct random prompts (every one a miss, so every prompt's
 chunks are saved while other requests decode), ``concurrency`` streams at a time,
-``max_tokens`` generated each (``ignore_eos``). TPOT = (last token - first token) / (tokens
-- 1) per request, on the client's clock; TTFT beside it. A warm-up batch runs first.
+``max_tokens`` generated each (``ignore_eos``), sent by the trace replayer's closed loop
+(``trace/replay.py``: TTFT and TPOT per request on the client's clock, summarised by
+``trace/summary.py``). A warm-up batch runs first.
 
 The question it answers: does the connector's per-step work (save planning, copies into the
 pool) slow decoding? It isolates the connector from a cluster's other processes (router,
@@ -23,20 +24,23 @@ index, several engines on the same cores), which ``kvtier bench cluster`` cannot
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from kvtier.bench.models import make_model
 from kvtier.bench.services import start_store
+from kvtier.bench.trace.replay import Replayer, ReplayItem, ReplayOptions, ReplayResult
+from kvtier.bench.trace.summary import summarize
 from kvtier.bench.vllm_driver import kvtier_transfer_config
-from kvtier.bench.vllm_server import VllmServer
+from kvtier.bench.vllm_server import MODEL_NAME, VllmServer
 
 CONFIGS = ("vllm", "kvtier-embedded", "kvtier-store")
 
@@ -55,44 +59,22 @@ class Settings:
 
 @dataclass
 class Samples:
-    tpot_s: list[float] = field(default_factory=list)
-    ttft_s: list[float] = field(default_factory=list)
+    results: list[ReplayResult] = field(default_factory=list)  # every repeat's, pooled
     per_repeat_tpot_p50: list[float] = field(default_factory=list)
 
 
-async def _one(session, url: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    sent = time.perf_counter()
-    arrivals: list[float] = []
-    async with session.post(url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            if line.startswith(b"data: ") and b"[DONE]" not in line:
-                arrivals.append(time.perf_counter())
-    if len(arrivals) < 2:
-        raise RuntimeError(f"{len(arrivals)} tokens streamed; expected {max_tokens}")
-    return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1), arrivals[0] - sent
-
-
-async def _drive(url: str, prompts: list[list[int]], s: Settings) -> list[tuple[float, float]]:
-    import aiohttp
-
-    gate = asyncio.Semaphore(s.concurrency)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-
-        async def go(prompt: list[int]) -> tuple[float, float]:
-            async with gate:
-                return await _one(session, url, prompt, s.max_tokens)
-
-        return await asyncio.gather(*(go(p) for p in prompts))
+def _replay(url: str, prompts: list[list[int]], s: Settings) -> list[ReplayResult]:
+    """The trace replayer's closed loop: ``concurrency`` streams, TTFT / TPOT per request."""
+    opts = ReplayOptions(url=url, model=MODEL_NAME, concurrency=s.concurrency)
+    items = [
+        ReplayItem(i, 0.0, s.max_tokens, functools.partial(list, prompt))
+        for i, prompt in enumerate(prompts)
+    ]
+    results = asyncio.run(Replayer(opts).run(items))
+    failed = [r for r in results if r.status != "ok"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} requests failed: {failed[0].error}")
+    return results
 
 
 def _prompts(n: int, tokens: int, seed: int) -> list[list[int]]:
@@ -100,25 +82,26 @@ def _prompts(n: int, tokens: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, 4000) for _ in range(tokens)] for _ in range(n)]
 
 
-def _serve_once(config: str, model: Path, workdir: Path, s: Settings, seed: int) -> list:
+def _serve_once(
+    config: str, model: Path, workdir: Path, s: Settings, seed: int
+) -> list[ReplayResult]:
     """Start ``config``'s server, warm it up, run the workload, stop everything."""
     store = None
     extra_args: list[str] = []
-    env: dict[str, str] = {"KVTIER_STORE__RUN_DIR": str(workdir)}
     if config != "vllm":
-        extra = {"chunk_tokens": 64, "store": {"pool": {"capacity": s.pool}}}
+        extra: dict[str, Any] = {"chunk_tokens": 64, "store": {"pool": {"capacity": s.pool}}}
         if config == "kvtier-store":
             store = start_store(workdir, s.pool, "decode-bench", remote=False)
             extra = {"chunk_tokens": 64, "store_address": store.address}
         extra_args = ["--kv-transfer-config", json.dumps(kvtier_transfer_config(extra))]
     server = VllmServer(
         model, workdir / f"{config}.log", kv_cache_bytes=s.kv_cache_bytes, extra_args=extra_args,
-        env=env,
+        env={"KVTIER_STORE__RUN_DIR": str(workdir)},
     )  # fmt: skip
     try:
         server.wait_ready()
-        asyncio.run(_drive(server.url, _prompts(s.concurrency, s.prompt_tokens, 10**6 + seed), s))
-        return asyncio.run(_drive(server.url, _prompts(s.requests, s.prompt_tokens, seed), s))
+        _replay(server.url, _prompts(s.concurrency, s.prompt_tokens, 10**6 + seed), s)  # warm-up
+        return _replay(server.url, _prompts(s.requests, s.prompt_tokens, seed), s)
     finally:
         server.stop()
         if store is not None:
@@ -135,16 +118,21 @@ def run(s: Settings, configs: tuple[str, ...] = CONFIGS) -> dict[str, Samples]:
                     # the same prompts for every configuration within a repeat
                     results = _serve_once(config, model, Path(tmp), s, seed=repeat)
                 samples = out[config]
-                samples.tpot_s += [r[0] for r in results]
-                samples.ttft_s += [r[1] for r in results]
-                samples.per_repeat_tpot_p50.append(statistics.median(r[0] for r in results))
+                samples.results += results
+                samples.per_repeat_tpot_p50.append(
+                    statistics.median(r.tpot_s for r in results if r.tpot_s is not None)
+                )
                 bar.update()
     return out
 
 
-def _q(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def _figures(x: Samples) -> dict[str, Any]:
+    """p50 / p90 ms of TPOT and TTFT over every repeat's requests (the replay's summary)."""
+    summary = summarize(x.results)
+    return {
+        metric: {q: 1e3 * summary[f"{metric}_s"][q] for q in ("p50", "p90")}
+        for metric in ("tpot", "ttft")
+    }
 
 
 def to_json(report: dict[str, Samples], s: Settings) -> dict:
@@ -152,10 +140,9 @@ def to_json(report: dict[str, Samples], s: Settings) -> dict:
         "settings": s.__dict__,
         "configs": {
             c: {
-                "tpot_ms": {"p50": 1e3 * _q(x.tpot_s, 0.5), "p90": 1e3 * _q(x.tpot_s, 0.9)},
-                "ttft_ms": {"p50": 1e3 * _q(x.ttft_s, 0.5), "p90": 1e3 * _q(x.ttft_s, 0.9)},
+                **{f"{m}_ms": v for m, v in _figures(x).items()},
                 "per_repeat_tpot_p50_ms": [1e3 * v for v in x.per_repeat_tpot_p50],
-                "requests": len(x.tpot_s),
+                "requests": len(x.results),
             }
             for c, x in report.items()
         },
@@ -175,10 +162,11 @@ def print_report(report: dict[str, Samples], s: Settings) -> None:
     for col in columns:
         table.add_column(col, justify="right")
     for config, x in report.items():
+        f = _figures(x)
         table.add_row(
             config,
-            f"{1e3 * _q(x.tpot_s, 0.5):.1f} / {1e3 * _q(x.tpot_s, 0.9):.1f}",
+            f"{f['tpot']['p50']:.1f} / {f['tpot']['p90']:.1f}",
             " / ".join(f"{1e3 * v:.1f}" for v in x.per_repeat_tpot_p50),
-            f"{1e3 * _q(x.ttft_s, 0.5):.0f} / {1e3 * _q(x.ttft_s, 0.9):.0f}",
+            f"{f['ttft']['p50']:.0f} / {f['ttft']['p90']:.0f}",
         )
     console().print(table)

@@ -83,6 +83,9 @@ class Speculative:
         return n
 
 
+SPREAD_TAIL_TOKENS = 32  # enough of a prompt's end to tell prompts apart
+
+
 def _spread_key(token_ids: Sequence[int] | None) -> str | None:
     """What a request without a session spreads ties by: its length and last tokens, which
     tell prompts apart (the user's turn ends them) where their first tokens would not (a
@@ -90,9 +93,6 @@ def _spread_key(token_ids: Sequence[int] | None) -> str | None:
     if not token_ids:
         return None
     return f"{len(token_ids)}:{','.join(map(str, token_ids[-SPREAD_TAIL_TOKENS:]))}"
-
-
-SPREAD_TAIL_TOKENS = 32
 
 
 class RoutingCore:

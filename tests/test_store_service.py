@@ -229,19 +229,21 @@ def test_clean_shutdown_releases_shared_memory(run_dir: Path) -> None:
     assert list(run_dir.iterdir()) == []
 
 
+def _wait_removed(segment: str, run_dir: Path) -> None:
+    """The watchdog unlinks the segment, then the lock file: wait for both, not just the first."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (segment_exists(segment) or any(run_dir.iterdir())):
+        time.sleep(0.05)
+    assert not segment_exists(segment)
+    assert list(run_dir.iterdir()) == []
+
+
 def test_crash_leaves_no_segment_behind(run_dir: Path) -> None:
     """SIGKILL runs no cleanup in the store; its watchdog removes the segment and lock file."""
     crashed = start_store_process(run_dir, "16MiB")
     assert segment_exists(crashed.segment)
     crashed.stop(signal.SIGKILL)
-    # The watchdog unlinks the segment, then the lock file: wait for both, not just the first.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (
-        segment_exists(crashed.segment) or any(run_dir.iterdir())
-    ):
-        time.sleep(0.05)
-    assert not segment_exists(crashed.segment)
-    assert list(run_dir.iterdir()) == []
+    _wait_removed(crashed.segment, run_dir)
 
 
 def _watchdogs(segment: str) -> list[psutil.Process]:
@@ -263,13 +265,7 @@ def test_crash_of_the_whole_process_tree_leaves_no_segment_behind(run_dir: Path)
     for p in tree:
         p.kill()
     psutil.wait_procs(tree, timeout=5)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (
-        segment_exists(crashed.segment) or any(run_dir.iterdir())
-    ):
-        time.sleep(0.05)
-    assert not segment_exists(crashed.segment)
-    assert list(run_dir.iterdir()) == []
+    _wait_removed(crashed.segment, run_dir)
 
 
 def test_restart_after_crash_cleans_up(run_dir: Path) -> None:
