@@ -15,9 +15,12 @@ from pydantic import ValidationError
 from kvtier.config import StoreConfig, load_config
 from kvtier.config_store import RemoteConfig
 from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace
+from kvtier.keys import Namespace, prompt_keys
+from kvtier.store.core import StoreCore
 from kvtier.store.node import NodeStore
+from kvtier.store.remote.demotion import Demoter
 from kvtier.store.remote.mooncake import engine_environment
+from kvtier.store.remote.peers import PeerClients
 from kvtier.store.remote.transport import RangeError, plan_ops, split_ops
 
 
@@ -145,7 +148,9 @@ class Block:
 sys.meta_path.insert(0, Block())
 from kvtier.config import StoreConfig
 from kvtier.errors import ErrorCode, KvtierError
+from kvtier.store.core import StoreCore
 from kvtier.store.node import NodeStore
+from kvtier.store.remote.demotion import Demoter
 run_dir = {str(tmp_path)!r}
 NodeStore(StoreConfig(run_dir=run_dir, pool={{"capacity": 1 << 20}})).close()
 try:
@@ -158,3 +163,30 @@ else:
 assert not [n for n in os.listdir("/dev/shm") if n.startswith("kvtier-") and str(os.getpid()) in n]
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_demotion_counts_chunks_that_free_themselves_as_free() -> None:
+    """A chunk deleted under a reader's lease (the peer's lease on what it just pulled) still
+    has its pages until the lease ends; the demoter must not see it as fill to move, or the
+    round after a move moves the rest of the pool (seen on CI: every chunk demoted)."""
+    page, chunk = 4096, 4 * 4096
+    core = StoreCore(
+        node_id="n", epoch=1, capacity_bytes=16 * chunk, page_size=page, eviction="lru",
+        lease_ttl_s=30, write_ttl_s=30, event_buffer=64,
+    )  # fmt: skip
+    ns = Namespace(model="m", dtype="f16", num_layers=1, num_kv_heads=1, head_size=8)
+    ns_id = core.register_namespace(ns, chunk)
+    keys = prompt_keys(ns, list(range(12 * ns.chunk_tokens)))
+    alloc = core.allocate(ns_id, keys, [chunk] * 12)
+    core.commit(alloc.lease_id, None, list(range(1, 13)))
+    demotion = {"high_watermark": 0.5, "low_watermark": 0.25}
+    demoter = Demoter(core, RemoteConfig(demotion=demotion), PeerClients(1.0), "self:1")
+    assert demoter.over_watermark() == 8 * chunk  # 12 of 16 held: back down to 4
+
+    lease = core.lookup(ns_id, keys[:8], lease_ttl_s=30)  # the peer pulls the 8 coldest...
+    core.delete(ns_id, keys[:8])  # ...and they are deleted here before it releases them
+    assert core.stats()["used_bytes"] == 12 * chunk and core.stats()["doomed_bytes"] == 8 * chunk
+    assert demoter.over_watermark() == 0
+    assert core.coldest(16 * chunk) == [(ns_id, k, chunk) for k in keys[8:]]  # still held
+    core.release([lease.lease_id])
+    assert core.stats()["used_bytes"] == 4 * chunk and demoter.over_watermark() == 0

@@ -70,9 +70,17 @@ class Demoter:
                 log.exception("demotion round failed")
 
     def over_watermark(self) -> int:
-        """Bytes to move to get back to the low watermark (0 below the high one)."""
+        """Bytes to move to get back to the low watermark (0 below the high one).
+
+        Pages that free themselves count as free: chunks already deleted but still pinned by
+        a reader's lease (``doomed``, e.g. the peer's lease on the chunks it just pulled, which
+        it releases a few ms later) and quarantined pages. Counting them as used made a round
+        right after a move see the moved chunks still there and move the rest of the pool."""
         stats = self.core.stats()
-        capacity, used = int(stats["capacity_bytes"]), int(stats["used_bytes"])
+        capacity = int(stats["capacity_bytes"])
+        used = (
+            int(stats["used_bytes"]) - int(stats["doomed_bytes"]) - int(stats["quarantined_bytes"])
+        )
         if used <= self.demotion.high_watermark * capacity:
             return 0
         return max(0, int(used - self.demotion.low_watermark * capacity))
