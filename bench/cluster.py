@@ -46,6 +46,7 @@ from typing import Any
 
 from kvtier.bench.cluster_figures import (
     decision_latency,
+    engine_figures,
     imbalance,
     instance_figures,
     tier_hits,
@@ -59,6 +60,7 @@ from kvtier.bench.cluster_procs import (
     warm_up,
 )
 from kvtier.bench.cluster_trace import DEFAULT_TRACE, TracePlan
+from kvtier.bench.cpu_usage import CpuMeter
 from kvtier.bench.fleet import Fleet, FleetSpec
 from kvtier.bench.models import ModelInfo
 from kvtier.bench.trace.formats import TraceFormat
@@ -260,12 +262,15 @@ def run_config(
         )
         opts = ReplayOptions(url=fleet.router_url, model=MODEL_NAME, timeout_s=settings.timeout_s)
         items = trace_items(trace_path, replay_spec, TraceFormat.SESSION, plan.trace_block_tokens)
+        meter = CpuMeter(cpu_roles(fleet, peers), alone=("client",))
         replay_start = time.time()
         load_start = os.getloadavg()[0]
+        meter.start()
         try:
             results = asyncio.run(RoutedReplayer(opts, sink, on_result).run(items))
         finally:
             sink.close()
+        cpu_s = meter.stop()
         replay_s = time.time() - replay_start
         load_end = os.getloadavg()[0]
         time.sleep(1.5)  # the last requests' counters (vLLM updates them per engine step)
@@ -286,12 +291,28 @@ def run_config(
         startup_s=startup_s,
         replay_s=replay_s,
         load_avg=[load_start, load_end],  # the machine's 1-min load at the replay's ends
+        cpu_s=cpu_s,  # CPU seconds by role during the replay
         tiers=tier_hits(before, after),
         instances=instance_figures(before, after, results),
+        engines=engine_figures(before, after),
         router_decision=decision_latency(router_before, router_after, workdir, replay_start),
     )
     report["imbalance"] = imbalance(report["instances"])
     return report
+
+
+def cpu_roles(fleet: Fleet, peers: Peers) -> dict[str, list[int]]:
+    """The processes of each role, for ``CpuMeter`` (each with its descendants, but
+    ``client``: this process, which replays the trace and is the parent of all the others)."""
+    roles = {
+        "engines": [inst.server.proc.pid for inst in fleet.instances],
+        "stores": [store.proc.pid for store in fleet.stores.values()],
+        "index": [fleet.index.proc.pid] if fleet.index else [],
+        "router": [fleet.router.proc.pid] if fleet.router else [],
+        "lmcache": [s.proc.pid for s in peers.servers.values() if s.proc is not None],
+        "client": [os.getpid()],
+    }
+    return {role: pids for role, pids in roles.items() if pids}
 
 
 def _rewrite(path: Path, results: list[ReplayResult]) -> None:

@@ -67,6 +67,33 @@ def instance_figures(
     return out
 
 
+STEPS = "vllm:iteration_tokens_total_count"  # one observation per engine step
+PREEMPTIONS = "vllm:num_preemptions_total"
+HOOK_SECONDS = {
+    "scheduler": "vllm:kvtier_scheduler_hook_seconds_total",
+    "worker": "vllm:kvtier_worker_hook_seconds_total",
+}
+
+
+def engine_figures(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, Any]:
+    """Summed over instances: engine steps, preemptions, and the milliseconds per step vLLM
+    spent inside kvtier's hooks, scheduler and workers (0 without kvtier's connector): what
+    the connector adds to every step, as the engines measured it during the run."""
+    steps = sum(_delta(before[n], after[n], STEPS) for n in after)
+    hook_s = {
+        role: sum(_delta(before[n], after[n], metric) for n in after)
+        for role, metric in HOOK_SECONDS.items()
+    }
+    return {
+        "steps": steps,
+        "preemptions": sum(_delta(before[n], after[n], PREEMPTIONS) for n in after),
+        "hook_seconds": hook_s,
+        "hook_ms_per_step": {r: 1e3 * v / steps if steps else 0.0 for r, v in hook_s.items()},
+    }
+
+
 def imbalance(instances: dict[str, dict[str, Any]]) -> dict[str, float]:
     """max / mean over instances (1 = even) of requests, prompt tokens and computed tokens."""
     out: dict[str, float] = {}

@@ -73,6 +73,44 @@ def instance_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+CPU_ROLES = ("engines", "stores", "lmcache", "index", "router", "client")
+
+
+def cpu_rows(report: dict[str, Any]) -> list[list[str]]:
+    """Where the time went: cores each role kept busy during the replay (CPU seconds / replay
+    seconds; on a small machine what runs beside the engines takes cores from them), engine
+    steps and preemptions, and the ms per step the engines spent in kvtier's hooks."""
+    configs = list(report["configs"].values())
+    measured = {k for c in configs for k, v in (c.get("cpu_s") or {}).items() if v is not None}
+    roles = [r for r in CPU_ROLES if r in measured]
+    head = [
+        "configuration", "replay s", *roles, "all", "load avg (start, end)", "engine steps",
+        "preemptions", "kvtier hooks ms / step (scheduler / worker)",
+    ]  # fmt: skip
+    rows = [head]
+    for r in configs:
+        cpu = r.get("cpu_s") or {}
+        wall = r["replay_s"] or 1.0
+        used = [cpu.get(role) for role in roles]
+        total = sum(u for u in used if u is not None)
+        load = r.get("load_avg") or [None, None]
+        eng = r.get("engines") or {}
+        hooks = eng.get("hook_ms_per_step") or {}
+        rows.append(
+            [
+                r["label"],
+                f"{r['replay_s']:.0f}",
+                *("-" if u is None else f"{u / wall:.2f}" for u in used),
+                f"{total / wall:.2f}",
+                f"{_s(load[0], digits=1)}, {_s(load[1], digits=1)}",
+                f"{eng.get('steps', 0):.0f}",
+                f"{eng.get('preemptions', 0):.0f}",
+                f"{_s(hooks.get('scheduler'))} / {_s(hooks.get('worker'))}" if hooks else "-",
+            ]
+        )
+    return rows
+
+
 def markdown_table(rows: list[list[str]]) -> str:
     head, *body = rows
     lines = [
@@ -119,6 +157,10 @@ def markdown(report: dict[str, Any]) -> str:
         markdown_table(class_rows(report)),
         "Per instance (requests / prefix hit ratio):",
         markdown_table(instance_rows(report)),
+        "Where the time went: cores busy during the replay by role (CPU seconds / replay"
+        " seconds, each role with its child processes), engine steps and preemptions, and the"
+        " ms per step the engines spent in kvtier's hooks:",
+        markdown_table(cpu_rows(report)),
         *(f"**{name} failed**: {why}" for name, why in report.get("failed", {}).items()),
     ]
     return "\n\n".join(p for p in parts if p) + "\n"
@@ -135,6 +177,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("cluster: one trace, every configuration", main_rows(report)),
         ("TTFT by class (uncached tokens)", class_rows(report)),
         ("per instance: requests / hit ratio", instance_rows(report)),
+        ("where the time went: cores by role, steps, hook time", cpu_rows(report)),
     ):
         table = Table(title=title)
         for i, col in enumerate(rows[0]):

@@ -14,7 +14,9 @@ The workload: ``requests`` distinct random prompts (every one a miss, so every p
 chunks are saved while other requests decode), ``concurrency`` streams at a time,
 ``max_tokens`` generated each (``ignore_eos``), sent by the trace replayer's closed loop
 (``trace/replay.py``: TTFT and TPOT per request on the client's clock, summarised by
-``trace/summary.py``). A warm-up batch runs first.
+``trace/summary.py``). A warm-up batch runs first. Beside TPOT it reports, from vLLM's
+``/metrics``, the engine steps of the measured runs and the ms per step the engine spent in
+kvtier's hooks (``vllm:kvtier_{scheduler,worker}_hook_seconds``).
 
 The question it answers: does the connector's per-step work (save planning, copies into the
 pool) slow decoding? It isolates the connector from a cluster's other processes (router,
@@ -29,15 +31,23 @@ import json
 import random
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from kvtier.bench.cluster_figures import engine_figures
 from kvtier.bench.models import make_model
 from kvtier.bench.services import start_store
-from kvtier.bench.trace.replay import Replayer, ReplayItem, ReplayOptions, ReplayResult
+from kvtier.bench.trace.replay import (
+    Replayer,
+    ReplayItem,
+    ReplayOptions,
+    ReplayResult,
+    parse_prometheus,
+)
 from kvtier.bench.trace.summary import summarize
 from kvtier.bench.vllm_driver import kvtier_transfer_config
 from kvtier.bench.vllm_server import MODEL_NAME, VllmServer
@@ -61,6 +71,12 @@ class Settings:
 class Samples:
     results: list[ReplayResult] = field(default_factory=list)  # every repeat's, pooled
     per_repeat_tpot_p50: list[float] = field(default_factory=list)
+    steps: float = 0.0  # engine steps of the measured runs
+    hook_s: dict[str, float] = field(default_factory=lambda: {"scheduler": 0.0, "worker": 0.0})
+
+    def hook_ms_per_step(self) -> dict[str, float]:
+        """What the engine spent in kvtier's hooks per step, as vLLM's metrics say."""
+        return {r: 1e3 * v / self.steps if self.steps else 0.0 for r, v in self.hook_s.items()}
 
 
 def _replay(url: str, prompts: list[list[int]], s: Settings) -> list[ReplayResult]:
@@ -82,10 +98,17 @@ def _prompts(n: int, tokens: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, 4000) for _ in range(tokens)] for _ in range(n)]
 
 
+def _metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    return parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
 def _serve_once(
     config: str, model: Path, workdir: Path, s: Settings, seed: int
-) -> list[ReplayResult]:
-    """Start ``config``'s server, warm it up, run the workload, stop everything."""
+) -> tuple[list[ReplayResult], dict[str, Any]]:
+    """Start ``config``'s server, warm it up, run the workload, stop everything; the results
+    and the engine's steps and hook time during the workload (``engine_figures``)."""
     store = None
     extra_args: list[str] = []
     if config != "vllm":
@@ -101,7 +124,10 @@ def _serve_once(
     try:
         server.wait_ready()
         _replay(server.url, _prompts(s.concurrency, s.prompt_tokens, 10**6 + seed), s)  # warm-up
-        return _replay(server.url, _prompts(s.requests, s.prompt_tokens, seed), s)
+        before = _metrics(server.url)
+        results = _replay(server.url, _prompts(s.requests, s.prompt_tokens, seed), s)
+        time.sleep(1.0)  # vLLM's front end has the last steps' stats
+        return results, engine_figures({"e": before}, {"e": _metrics(server.url)})
     finally:
         server.stop()
         if store is not None:
@@ -116,9 +142,12 @@ def run(s: Settings, configs: tuple[str, ...] = CONFIGS) -> dict[str, Samples]:
             for config in configs:
                 with tempfile.TemporaryDirectory(prefix="kvtier-decode-") as tmp:
                     # the same prompts for every configuration within a repeat
-                    results = _serve_once(config, model, Path(tmp), s, seed=repeat)
+                    results, engine = _serve_once(config, model, Path(tmp), s, seed=repeat)
                 samples = out[config]
                 samples.results += results
+                samples.steps += engine["steps"]
+                for role, seconds in engine["hook_seconds"].items():
+                    samples.hook_s[role] += seconds
                 samples.per_repeat_tpot_p50.append(
                     statistics.median(r.tpot_s for r in results if r.tpot_s is not None)
                 )
@@ -143,6 +172,8 @@ def to_json(report: dict[str, Samples], s: Settings) -> dict:
                 **{f"{m}_ms": v for m, v in _figures(x).items()},
                 "per_repeat_tpot_p50_ms": [1e3 * v for v in x.per_repeat_tpot_p50],
                 "requests": len(x.results),
+                "engine_steps": x.steps,
+                "hook_ms_per_step": x.hook_ms_per_step(),
             }
             for c, x in report.items()
         },
@@ -158,7 +189,10 @@ def print_report(report: dict[str, Samples], s: Settings) -> None:
         title=f"decode with and without the connector: {s.requests} distinct {s.prompt_tokens}-"
         f"token prompts x {s.repeats}, {s.concurrency} streams, {s.max_tokens} tokens each"
     )
-    columns = ("configuration", "TPOT p50 / p90 ms", "TPOT p50 per repeat ms", "TTFT p50 / p90 ms")
+    columns = (
+        "configuration", "TPOT p50 / p90 ms", "TPOT p50 per repeat ms", "TTFT p50 / p90 ms",
+        "steps", "kvtier hooks ms / step (scheduler / worker)",
+    )  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
     for config, x in report.items():
@@ -168,5 +202,7 @@ def print_report(report: dict[str, Samples], s: Settings) -> None:
             f"{f['tpot']['p50']:.1f} / {f['tpot']['p90']:.1f}",
             " / ".join(f"{1e3 * v:.1f}" for v in x.per_repeat_tpot_p50),
             f"{f['ttft']['p50']:.0f} / {f['ttft']['p90']:.0f}",
+            f"{x.steps:.0f}",
+            " / ".join(f"{v:.2f}" for v in x.hook_ms_per_step().values()),
         )
     console().print(table)

@@ -130,6 +130,16 @@ class C:
     REMOTE_UNKNOWN_HOLDERS = Counter(
         "remote_unknown_holders", "Holders named by the index whose address is unknown"
     )
+    # what the engine waits for: wall time inside the hooks, on the thread vLLM called them
+    SCHEDULER_HOOK_SECONDS = Counter(
+        "scheduler_hook_seconds",
+        "Seconds vLLM's scheduler spent in kvtier's hooks (waiting for lookups included)",
+    )
+    WORKER_HOOK_SECONDS = Counter(
+        "worker_hook_seconds",
+        "Seconds the model runners spent in kvtier's hooks (loads and saves they waited for "
+        "included; summed over workers)",
+    )
     # containment
     HOOK_ERRORS = Counter(
         "hook_errors", "Exceptions caught in a vLLM hook (that request served without kvtier)"

@@ -10,8 +10,11 @@ pool segment by name, so embedded mode works whether vLLM runs in one process or
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -53,6 +56,27 @@ _HIT_SOURCE = {
 }
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _timed(
+    hook: Callable[Concatenate[KvtierConnector, P], R],
+) -> Callable[Concatenate[KvtierConnector, P], R]:
+    """Add the wall time of ``hook`` to the instance's hook seconds: what the engine's loop
+    waited for kvtier (each role's hooks run on one vLLM thread: no lock needed)."""
+
+    @functools.wraps(hook)
+    def timed(self: KvtierConnector, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        start = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self._hook_s += time.perf_counter() - start
+
+    return timed
+
+
 class KvtierConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
 
@@ -77,6 +101,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self.scheduler: ConnectorScheduler | None = None
         self.worker: ConnectorWorker | None = None
         self.guard = HookGuard()
+        self._hook_s = 0.0  # since the last stats
         self._announcer: Any = None
         if role == KVConnectorRole.SCHEDULER:
             # lazy: an engine may start before its node store (misses until it is up)
@@ -142,6 +167,7 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         self.scheduler.block_ids_of = lambda req_id: kv_cache_manager.get_block_ids(req_id)[0]
 
+    @_timed
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -152,6 +178,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._contained("get_num_new_matched_tokens", exc)
             return 0, False
 
+    @_timed
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -178,6 +205,7 @@ class KvtierConnector(KVConnectorBase_V1):
             return {CacheHitSource.HOST: num_external_tokens}
         return {_HIT_SOURCE[tier]: n for tier, n in sources.items() if n}
 
+    @_timed
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         try:
@@ -201,6 +229,7 @@ class KvtierConnector(KVConnectorBase_V1):
         # never raises: loads go out whatever happens (failed ones as failures)
         return self.scheduler.build_meta(scheduled, preempted)
 
+    @_timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         try:
@@ -211,6 +240,7 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception as exc:
             self._contained("update_connector_output", exc)
 
+    @_timed
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -276,12 +306,14 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 
+    @_timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
         self.worker.start_load_kv(meta)  # contains its own failures (they become load errors)
 
+    @_timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self.worker is not None
         try:
@@ -289,6 +321,7 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception as exc:  # the load thread reports the load itself as failed
             self.guard.record("wait_for_layer_load", exc)
 
+    @_timed
     def save_kv_layer(
         self,
         layer_name: str,
@@ -304,20 +337,24 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception as exc:  # the save is retried at wait_for_save, or reported failed
             self.guard.record("save_kv_layer", exc)
 
+    @_timed
     def wait_for_save(self) -> None:
         assert self.worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
         self.worker.save(meta)
 
+    @_timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         return self.worker.get_finished(finished_req_ids)
 
+    @_timed
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None
         return self.worker.get_block_ids_with_load_errors()
 
+    @_timed
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self.worker is not None
         return self.worker.take_worker_meta()
@@ -332,6 +369,12 @@ class KvtierConnector(KVConnectorBase_V1):
             if self.worker is not None
             else {}
         )
+        if self._hook_s:  # a few bytes more in stats vLLM sends every step anyway
+            clock = (
+                C.SCHEDULER_HOOK_SECONDS if self.scheduler is not None else C.WORKER_HOOK_SECONDS
+            )
+            data[clock.name] = data.get(clock.name, 0.0) + self._hook_s
+            self._hook_s = 0.0
         return KvtierStats(data=data) if data else None
 
     @classmethod

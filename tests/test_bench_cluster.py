@@ -148,6 +148,20 @@ def test_tier_hits_instances_and_imbalance() -> None:
     assert imb["computed_tokens"] == pytest.approx(1500 / 1000)
 
 
+def test_engine_steps_preemptions_and_hook_time_per_step() -> None:
+    hooks = cluster_figures.HOOK_SECONDS
+    before = {"i0": {cluster_figures.STEPS: 100.0, hooks["worker"]: 1.0},
+              "i1": {cluster_figures.STEPS: 50.0}}  # fmt: skip
+    after = {"i0": {cluster_figures.STEPS: 600.0, hooks["worker"]: 2.5,
+                    hooks["scheduler"]: 0.5, cluster_figures.PREEMPTIONS: 2.0},
+             "i1": {cluster_figures.STEPS: 550.0, hooks["worker"]: 0.5}}  # fmt: skip
+    eng = cluster_figures.engine_figures(before, after)
+    assert eng["steps"] == 1000 and eng["preemptions"] == 2
+    assert eng["hook_seconds"] == {"scheduler": 0.5, "worker": 2.0}
+    assert eng["hook_ms_per_step"] == {"scheduler": 0.5, "worker": 2.0}
+    assert cluster_figures.engine_figures({"i": {}}, {"i": {}})["hook_ms_per_step"]["worker"] == 0
+
+
 def test_configurations_are_wired_as_documented(tmp_path: Path) -> None:
     topo = cluster.Topology()
     rr = cluster.fleet_spec(cluster.CONFIGS["vllm-rr"], topo)
@@ -173,7 +187,10 @@ def _fake_report() -> dict:
     inst = {"node0-vllm0": {"requests": 3, "computed_tokens": 10.0, "hit_ratio": 0.4}}
     conf = {**group, "label": "kvtier + kvtier", "classes": {"WARM": group}, "tiers": tiers,
             "imbalance": {"computed_tokens": 1.0}, "instances": inst,
-            "router_decision": {"p50_s": 0.001, "p99_s": 0.002}}  # fmt: skip
+            "router_decision": {"p50_s": 0.001, "p99_s": 0.002}, "replay_s": 30.0,
+            "cpu_s": {"engines": 45.0, "stores": 3.0, "router": None, "client": 1.5},
+            "load_avg": [2.0, 6.5], "engines": {"steps": 1200, "preemptions": 3,
+            "hook_ms_per_step": {"scheduler": 0.25, "worker": 1.5}}}  # fmt: skip
     trace = {
         "source": "x.jsonl", "requests": 3, "sessions": 2, "capped_requests": 0,
         "sampling": {"window_seconds": 40, "window_start_seconds": 3.0, "sample_ratio": 1.0,
@@ -196,6 +213,12 @@ def test_report_tables_and_figure(tmp_path: Path) -> None:
     assert "| kvtier + kvtier | 3 / 3 | 0 / 0 | 0.10 / 0.20 / 0.30 |" in md
     assert "30.0% / 10.0% / 0.0%" in md and "WARM < 156" in md
     assert "4096 tokens" in md
+    # cores by role: 45 CPU s of engines in 30 s is 1.5 cores; a role not measured is left out
+    assert "| configuration | replay s | engines | stores | client | all |" in md
+    assert (
+        "| kvtier + kvtier | 30 | 1.50 | 0.10 | 0.05 | 1.65 | 2.0, 6.5 | 1200 | 3 | 0.25 / 1.50 |"
+        in md
+    )
     cluster_report.plot(report, tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 10_000
 
@@ -232,6 +255,12 @@ def test_quick_run_answers_everything_with_the_tiers_where_expected(tmp_path: Pa
         else:
             assert tokens["host"] == tokens["p2p"] == 0, name
         assert r["router_decision"]["count"] == sent, name
+        assert r["cpu_s"]["engines"] > 0 and r["cpu_s"]["router"] > 0, name  # they served it
+        assert ("stores" in r["cpu_s"]) == cluster.CONFIGS[name].kvtier, name
+        hook_s = r["engines"]["hook_seconds"]
+        assert r["engines"]["steps"] > 0, name
+        # kvtier's connector reports the time the engines spent in its hooks; nothing else does
+        assert (hook_s["scheduler"] > 0 and hook_s["worker"] > 0) == cluster.CONFIGS[name].kvtier
         lines = (tmp_path / "out" / name / "requests.jsonl").read_text().splitlines()
         served = [json.loads(line)["meta"]["instance"] for line in lines]
         assert set(served) <= set(r["instances"]) and "" not in served, name
