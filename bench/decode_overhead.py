@@ -156,11 +156,12 @@ def run(s: Settings, configs: tuple[str, ...] = CONFIGS) -> dict[str, Samples]:
 
 
 def _figures(x: Samples) -> dict[str, Any]:
-    """p50 / p90 ms of TPOT and TTFT over every repeat's requests (the replay's summary)."""
+    """p50 / p90 ms of TPOT, TTFT and E2E over every repeat's requests (the replay's
+    summary)."""
     summary = summarize(x.results)
     return {
         metric: {q: 1e3 * summary[f"{metric}_s"][q] for q in ("p50", "p90")}
-        for metric in ("tpot", "ttft")
+        for metric in ("tpot", "ttft", "e2e")
     }
 
 
@@ -191,7 +192,7 @@ def print_report(report: dict[str, Samples], s: Settings) -> None:
     )
     columns = (
         "configuration", "TPOT p50 / p90 ms", "TPOT p50 per repeat ms", "TTFT p50 / p90 ms",
-        "steps", "kvtier hooks ms / step (scheduler / worker)",
+        "E2E p50 / p90 ms", "steps", "kvtier hooks ms / step (scheduler / worker)",
     )  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
@@ -202,6 +203,7 @@ def print_report(report: dict[str, Samples], s: Settings) -> None:
             f"{f['tpot']['p50']:.1f} / {f['tpot']['p90']:.1f}",
             " / ".join(f"{1e3 * v:.1f}" for v in x.per_repeat_tpot_p50),
             f"{f['ttft']['p50']:.0f} / {f['ttft']['p90']:.0f}",
+            f"{f['e2e']['p50']:.0f} / {f['e2e']['p90']:.0f}",
             f"{x.steps:.0f}",
             " / ".join(f"{v:.2f}" for v in x.hook_ms_per_step().values()),
         )
