@@ -24,7 +24,8 @@ from kvtier.bench.faults import (
     tally,
 )
 from kvtier.bench.models import make_tiny_llama
-from kvtier.bench.services import Service, free_port, kvtier_argv, start_store, store_args
+from kvtier.bench.ports import free_port
+from kvtier.bench.services import Service, kvtier_argv, start_store, store_args
 
 RESET = {"op": "reset_prefix_cache"}
 METRICS = {"op": "metrics"}

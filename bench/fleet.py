@@ -23,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.bench.ports import free_port
 from kvtier.bench.services import Service, _start, start_store
 from kvtier.bench.vllm_driver import kvtier_transfer_config
-from kvtier.bench.vllm_server import MODEL_NAME, VllmServer, free_port
+from kvtier.bench.vllm_server import MODEL_NAME, VllmServer
 
 
 @dataclass

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from kvtier.bench.ports import free_port
 from kvtier.chunks import Tier
 from kvtier.index.api import ChunkIndex, ChunkOp, LocationKind, Query, Registration
 from kvtier.index.memory import MemoryIndex
@@ -159,16 +160,13 @@ def keys_floor(tokens: np.ndarray, n: int) -> dict[str, dict]:
 
 
 def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str]:
-    import socket
 
     import redis
 
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server not found: pass --redis-url or install redis-server")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(tmp)],

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvtier.bench.ports import free_port
+
 HOLDER = r"""
 import sys
 from mooncake.store import MooncakeDistributedStore
@@ -26,12 +28,6 @@ s.close()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MooncakeStoreHarness:
     """Master + holder processes and a reading client in this process."""
 
@@ -40,7 +36,7 @@ class MooncakeStoreHarness:
         from mooncake.store import MooncakeDistributedStore
 
         master_bin = Path(mooncake.__file__).parent / "mooncake_master"
-        port, metrics_port = _free_port(), _free_port()
+        port, metrics_port = free_port(), free_port()
         self.master = subprocess.Popen(
             [
                 str(master_bin),

@@ -47,14 +47,6 @@ class Service:
         return int(self.proc.returncode)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def kvtier_argv(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "kvtier", *args]
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.bench.ports import free_port
 from kvtier.bench.services import Service, _start, start_store
 
 StoreProcess = Service  # a store process, as the tests call it
@@ -80,14 +81,6 @@ def child_lease_and_die(
 
 
 # -- Redis ------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -4,25 +4,19 @@ its events: the index knows what the instance holds in GPU memory, with no index
 from __future__ import annotations
 
 import random
-import socket
 from pathlib import Path
 
 import pytest
 from helpers import start_index_process
 from vllm_fixtures import make_tiny_llama, vllm_env
 
+from kvtier.bench.ports import free_port
 from kvtier.bench.vllm_driver import kvtier_transfer_config, run_vllm
 from kvtier.chunks import Tier
 from kvtier.index.api import LocationKind, Query
 from kvtier.index.client.grpc import GrpcIndexClient
 
 pytestmark = pytest.mark.vllm
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_instance_announces_itself_and_index_learns_its_gpu(tmp_path: Path, run_dir: Path) -> None:
@@ -33,8 +27,8 @@ def test_instance_announces_itself_and_index_learns_its_gpu(tmp_path: Path, run_
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{_free_port()}",
-            "replay_endpoint": f"tcp://*:{_free_port()}",
+            "endpoint": f"tcp://*:{free_port()}",
+            "replay_endpoint": f"tcp://*:{free_port()}",
         }
         extra = {"chunk_tokens": 64, "index_address": index.address, "instance_id": "vllm-x"}
         spec = {

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 from helpers import StoreProcess, start_store_process
 
+from kvtier.bench.ports import free_port
 from kvtier.chunks import LookupStatus
 from kvtier.keys import Namespace, prompt_keys
 from kvtier.store.api.events import EventKind
@@ -241,9 +241,7 @@ def test_holder_restarted_at_the_same_address(tmp_path: Path) -> None:
     puller re-attaches, re-registers the namespace and reads from the new engine."""
     ns = NS.model_copy(update={"model": "restart"})
     size = 256 << 10
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     a = remote_store(tmp_path, "16MiB", "node-a")
     b = remote_store(tmp_path, "16MiB", "node-b", "--grpc-port", str(port))
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from helpers import (
     start_store_process,
 )
 
+from kvtier.bench.ports import free_port
 from kvtier.chunks import LookupStatus
 from kvtier.config import StoreConfig
 from kvtier.errors import ErrorCode, KvtierError
@@ -288,14 +288,8 @@ def test_restart_after_crash_cleans_up(run_dir: Path) -> None:
         fresh.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_client_survives_store_restart(run_dir: Path, namespace: Namespace) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     first = start_store_process(run_dir, "16MiB", "--grpc-port", port)
     tier = connect(StoreConfig(address=first.address))
     try:

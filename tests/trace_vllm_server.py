@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtier.bench.models import make_tiny_llama
-from kvtier.bench.vllm_server import MODEL_NAME, VllmServer, free_port
+from kvtier.bench.ports import free_port
+from kvtier.bench.vllm_server import MODEL_NAME, VllmServer
 
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = 4  # <unk> <s> </s> <pad>

@@ -13,27 +13,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from kvtier.bench.ports import free_port
+
 PRELOAD = "kvtier.bench.peers.lmcache_compat"  # must be imported before vLLM in-process
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LMCacheServer:
     """``lmcache server`` in its own process group."""
 
     def __init__(self, log_path: Path, l1_gb: float = 4.0, chunk_size: int = 256) -> None:
-        self.port, self.http_port = _free_port(), _free_port()
+        self.port, self.http_port = free_port(), free_port()
         self.shm_name = f"kvtier_lmc_{os.getpid()}"
         self.log_path = log_path
         lmcache = Path(sys.executable).with_name("lmcache")

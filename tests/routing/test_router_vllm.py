@@ -19,8 +19,9 @@ import httpx
 import pytest
 from helpers import start_index_process
 
+from kvtier.bench.ports import free_port
 from kvtier.bench.vllm_driver import kvtier_transfer_config
-from kvtier.bench.vllm_server import MODEL_NAME, VllmServer, free_port
+from kvtier.bench.vllm_server import MODEL_NAME, VllmServer
 from kvtier.config import IndexConfig
 from kvtier.config_router import RouterConfig
 from kvtier.http import HttpServer
