@@ -17,6 +17,7 @@ from pathlib import Path
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 SPAN = 10_000  # ports drawn from [ephemeral start - SPAN, ephemeral start)
 LOWEST = 1_024
+MIN_SPAN = 1_000  # an ephemeral range starting lower leaves no room: take the kernel's choice
 
 # Ports this process has handed out (module state on purpose: "never twice by one process"
 # must hold across every caller in the process; it only grows by a few ports per server).
@@ -46,13 +47,15 @@ def free_port() -> int:
     top = ephemeral_start()
     bottom = max(LOWEST, top - SPAN)
     rng = random.SystemRandom()
-    for _ in range(200):
+    for _ in range(200 if top - bottom >= MIN_SPAN else 0):
         port = rng.randrange(bottom, top)
         if port not in _given and _bindable(port):
             _given.add(port)
             return port
-    with socket.socket() as sock:  # nothing below the range: the kernel's choice
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    _given.add(port)
-    return port
+    while True:  # no room or no luck below the range: the kernel's choice, not a repeat
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _given:
+            _given.add(port)
+            return port
