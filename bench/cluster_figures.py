@@ -90,8 +90,13 @@ def engine_figures(
         "steps": steps,
         "preemptions": sum(_delta(before[n], after[n], PREEMPTIONS) for n in after),
         "hook_seconds": hook_s,
-        "hook_ms_per_step": {r: 1e3 * v / steps if steps else 0.0 for r, v in hook_s.items()},
+        "hook_ms_per_step": ms_per_step(hook_s, steps),
     }
+
+
+def ms_per_step(seconds: dict[str, float], steps: float) -> dict[str, float]:
+    """Seconds (by role) over engine steps, in ms a step (0 without steps)."""
+    return {r: 1e3 * v / steps if steps else 0.0 for r, v in seconds.items()}
 
 
 def imbalance(instances: dict[str, dict[str, Any]]) -> dict[str, float]:

@@ -27,12 +27,14 @@ def _stat_fields(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2 :].split()
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
+def _process_table() -> dict[int, tuple[int, int]]:
+    """Every process's (parent pid, utime + stime in clock ticks), from one read of each
+    ``/proc/<pid>/stat`` (stat fields 4, 14 and 15)."""
+    table: dict[int, tuple[int, int]] = {}
     for entry in PROC.iterdir():
         if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) is not None:
-            children.setdefault(int(fields[1]), []).append(int(entry.name))  # fields[1]: ppid
-    return children
+            table[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return table
 
 
 def process_tree(roots: Iterable[int], children: Mapping[int, list[int]]) -> set[int]:
@@ -46,16 +48,6 @@ def process_tree(roots: Iterable[int], children: Mapping[int, list[int]]) -> set
             seen.add(pid)
             todo.extend(children.get(pid, []))
     return seen
-
-
-def cpu_ticks(pids: Iterable[int]) -> dict[int, int]:
-    """utime + stime in clock ticks of each live process among ``pids``."""
-    out: dict[int, int] = {}
-    for pid in pids:
-        fields = _stat_fields(pid)
-        if fields is not None:
-            out[pid] = int(fields[11]) + int(fields[12])  # stat fields 14 and 15
-    return out
 
 
 class CpuMeter:
@@ -72,11 +64,16 @@ class CpuMeter:
         self.available = PROC.joinpath("self", "stat").exists()
 
     def _snapshot(self) -> dict[str, dict[int, int]]:
-        children = _children_map()
-        return {
-            role: cpu_ticks(pids if role in self.alone else process_tree(pids, children))
-            for role, pids in self.roles.items()
-        }
+        """CPU ticks of each live process of each role."""
+        table = _process_table()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        out: dict[str, dict[int, int]] = {}
+        for role, pids in self.roles.items():
+            members = pids if role in self.alone else process_tree(pids, children)
+            out[role] = {pid: table[pid][1] for pid in members if pid in table}
+        return out
 
     def start(self) -> None:
         if self.available:

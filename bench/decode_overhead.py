@@ -38,16 +38,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvtier.bench.cluster_figures import engine_figures
+from kvtier.bench.cluster_figures import engine_figures, ms_per_step
+from kvtier.bench.cluster_procs import counters
 from kvtier.bench.models import make_model
 from kvtier.bench.services import start_store
-from kvtier.bench.trace.replay import (
-    Replayer,
-    ReplayItem,
-    ReplayOptions,
-    ReplayResult,
-    parse_prometheus,
-)
+from kvtier.bench.trace.replay import Replayer, ReplayItem, ReplayOptions, ReplayResult
 from kvtier.bench.trace.summary import summarize
 from kvtier.bench.vllm_driver import kvtier_transfer_config
 from kvtier.bench.vllm_server import MODEL_NAME, VllmServer
@@ -76,7 +71,7 @@ class Samples:
 
     def hook_ms_per_step(self) -> dict[str, float]:
         """What the engine spent in kvtier's hooks per step, as vLLM's metrics say."""
-        return {r: 1e3 * v / self.steps if self.steps else 0.0 for r, v in self.hook_s.items()}
+        return ms_per_step(self.hook_s, self.steps)
 
 
 def _replay(url: str, prompts: list[list[int]], s: Settings) -> list[ReplayResult]:
@@ -96,12 +91,6 @@ def _replay(url: str, prompts: list[list[int]], s: Settings) -> list[ReplayResul
 def _prompts(n: int, tokens: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, 4000) for _ in range(tokens)] for _ in range(n)]
-
-
-def _metrics(url: str) -> dict[str, float]:
-    import httpx
-
-    return parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 def _serve_once(
@@ -124,10 +113,10 @@ def _serve_once(
     try:
         server.wait_ready()
         _replay(server.url, _prompts(s.concurrency, s.prompt_tokens, 10**6 + seed), s)  # warm-up
-        before = _metrics(server.url)
+        before = counters(server.url)
         results = _replay(server.url, _prompts(s.requests, s.prompt_tokens, seed), s)
         time.sleep(1.0)  # vLLM's front end has the last steps' stats
-        return results, engine_figures({"e": before}, {"e": _metrics(server.url)})
+        return results, engine_figures({"e": before}, {"e": counters(server.url)})
     finally:
         server.stop()
         if store is not None:

@@ -10,6 +10,7 @@ never twice by one process, so two servers it starts never get the same one.
 
 from __future__ import annotations
 
+import functools
 import random
 import socket
 from pathlib import Path
@@ -24,6 +25,7 @@ MIN_SPAN = 1_000  # an ephemeral range starting lower leaves no room: take the k
 _given: set[int] = set()
 
 
+@functools.cache
 def ephemeral_start() -> int:
     """The first port of the kernel's ephemeral range (32768 where /proc cannot say)."""
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvtier.config_store import RemoteConfig
@@ -70,17 +71,9 @@ class Demoter:
                 log.exception("demotion round failed")
 
     def over_watermark(self) -> int:
-        """Bytes to move to get back to the low watermark (0 below the high one).
-
-        Pages that free themselves count as free: chunks already deleted but still pinned by
-        a reader's lease (``doomed``, e.g. the peer's lease on the chunks it just pulled, which
-        it releases a few ms later) and quarantined pages. Counting them as used made a round
-        right after a move see the moved chunks still there and move the rest of the pool."""
+        """Bytes to move to get back to the low watermark (0 below the high one)."""
         stats = self.core.stats()
-        capacity = int(stats["capacity_bytes"])
-        used = (
-            int(stats["used_bytes"]) - int(stats["doomed_bytes"]) - int(stats["quarantined_bytes"])
-        )
+        capacity, used = int(stats["capacity_bytes"]), settled_used(stats)
         if used <= self.demotion.high_watermark * capacity:
             return 0
         return max(0, int(used - self.demotion.low_watermark * capacity))
@@ -121,8 +114,8 @@ class Demoter:
             except KvtierError as exc:
                 log.info("demotion: peer %s unavailable: %s", address, exc)
                 continue
-            room = int(self.demotion.high_watermark * int(stats["capacity_bytes"])) - int(
-                stats["used_bytes"]
+            room = int(self.demotion.high_watermark * int(stats["capacity_bytes"])) - (
+                settled_used(stats)
             )
             if room > best_room:
                 best, best_room = address, room
@@ -149,6 +142,14 @@ class Demoter:
             log.info("demotion to %s: %d of %d moved (%s)", peer, len(moved), len(keys), result)
         size_of = dict(zip(keys, sizes, strict=True))
         return len(moved), sum(size_of[k] for k in moved)
+
+
+def settled_used(stats: Mapping[str, int | float | str]) -> int:
+    """A pool's used bytes less the pages that free themselves: chunks already deleted but
+    still pinned by a reader's lease (``doomed``, e.g. a peer's lease on chunks it just pulled,
+    released a few ms later) and quarantined pages. Counting them as used made the round right
+    after a move see the moved chunks still there and move the rest of the pool."""
+    return int(stats["used_bytes"]) - int(stats["doomed_bytes"]) - int(stats["quarantined_bytes"])
 
 
 def _by_namespace(
