@@ -71,16 +71,55 @@ def bench_keys(
 
 @bench_app.command("kv-copy")
 def bench_kv_copy(
-    tokens: Annotated[int, typer.Option(help="tokens loaded (a DRAM hit's size)")] = 8192,
-    page: Annotated[str, typer.Option(help="bytes of one layer of one KV block")] = "64KiB",
-    layers: Annotated[int, typer.Option()] = 4,
+    tokens: Annotated[
+        str, typer.Option(help="tokens loaded (a DRAM hit's size); several with --device cuda")
+    ] = "8192",
+    device: Annotated[str, typer.Option(help="cpu, or cuda (a GPU: vLLM's CUDA layouts)")] = "cpu",
+    page: Annotated[str, typer.Option(help="cpu: bytes of one layer of one KV block")] = "64KiB",
+    layers: Annotated[int, typer.Option(help="cpu default 4; cuda default 32")] = 0,
+    kv_heads: Annotated[int, typer.Option(help="cuda: KV heads per layer")] = 8,
+    head_size: Annotated[int, typer.Option(help="cuda")] = 128,
+    case: Annotated[str, typer.Option(help="cuda: the KV layout (kvtier.bench.kv_layouts)")] = (
+        "flash-attn"
+    ),
+    new_tokens: Annotated[
+        int, typer.Option(help="cuda: tokens of the forward a layer-wise load hides under")
+    ] = 512,
+    chunk_tokens: Annotated[
+        int, typer.Option(help="tokens per chunk (connector.chunk_tokens)")
+    ] = 256,
+    repeat: Annotated[int, typer.Option(help="runs per row; the best is kept")] = 5,
     json_out: JsonOut = None,
+    plot: Annotated[Path | None, typer.Option(help="cuda: also draw the fractions (PNG)")] = None,
 ) -> None:
-    """The worker's pool <-> paged-KV copy (CPU) beside memcpy and torch's index_copy_."""
-    from kvtier.bench import kv_copy
+    """The worker's pool <-> paged-KV copy beside its floor: memcpy and torch's index_copy_
+    (CPU), pinned cudaMemcpy and a layer-wise load under a forward (CUDA)."""
+    counts = [int(t) for t in tokens.split(",") if t.strip()]
+    if device == "cuda":
+        from kvtier.bench import kv_copy_cuda
 
-    report = kv_copy.run(tokens, int(_bytes.validate_python(page)), layers)
-    kv_copy.print_report(report)
+        report = kv_copy_cuda.run_cuda(
+            counts,
+            layers or 32,
+            kv_heads,
+            head_size,
+            case,
+            chunk_tokens=chunk_tokens,
+            new_tokens=new_tokens,
+            repeat=repeat,
+        )
+        kv_copy_cuda.print_report(report)
+        if plot is not None:
+            kv_copy_cuda.plot([report], plot)
+    elif device == "cpu" and len(counts) == 1:
+        from kvtier.bench import kv_copy
+
+        report = kv_copy.run(
+            counts[0], int(_bytes.validate_python(page)), layers or 4, repeat=repeat
+        )
+        kv_copy.print_report(report)
+    else:
+        raise typer.BadParameter("--device cpu takes one --tokens count; --device is cpu or cuda")
     _write(report, json_out)
 
 

@@ -25,10 +25,25 @@ import torch
 from kvtier.bench.timing import best_of
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import ChunkCopy
-from kvtier.connector.worker import PagedKV, PoolView
+from kvtier.connector.paged_kv import PagedKV, PoolView
 from kvtier.store.client.shm import SharedSegment, checksum_views, page_aligned_empty
 
 BLOCK_SIZE = 32
+
+
+def whole_chunks(geo: KvGeometry, block_ids: list[int]) -> list[ChunkCopy]:
+    """Chunks over ``block_ids`` (whole chunks, in order), stored back to back from the
+    pool's start: what one request's run of a DRAM hit copies."""
+    per = geo.blocks_per_chunk
+    return [
+        ChunkCopy(
+            ((c * geo.chunk_bytes, geo.chunk_bytes),),
+            0,
+            0,
+            tuple(block_ids[c * per : (c + 1) * per]),
+        )
+        for c in range(len(block_ids) // per)
+    ]
 
 
 def run(
@@ -55,25 +70,17 @@ def run(
         scattered = random.Random(0).sample(range(num_blocks), blocks)
 
         def copies(ids: list[int]) -> list[ChunkCopy]:
-            return [
-                ChunkCopy(
-                    ((c * geo.chunk_bytes, geo.chunk_bytes),),
-                    0,
-                    0,
-                    tuple(ids[c * per_chunk : (c + 1) * per_chunk]),
-                )
-                for c in range(chunks)
-            ]
+            return whole_chunks(geo, ids)
 
         def load(ids: list[int]) -> None:
-            jobs = copies(ids)
+            plan = paged.plan(copies(ids))
             for layer in range(layers):
-                paged.load_layer(layer, pool, jobs)
+                paged.load_layer(layer, pool, plan)
 
         def save(ids: list[int]) -> None:
-            jobs = copies(ids)
+            plan = paged.plan(copies(ids))
             for layer in range(layers):
-                paged.save_layer(layer, pool, jobs)
+                paged.save_layer(layer, pool, plan)
 
         def index_copy(ids: list[int]) -> None:
             for layer, name in enumerate(names):

@@ -10,14 +10,8 @@ Failure rule: any doubt about a load's bytes (segment gone, checksum mismatch, s
 the lease lapsed, an exception mid-copy) makes every block of that load a load error, reported
 in the same step; vLLM recomputes them, so a failed load costs time, never a wrong token.
 
-The copies (``PagedKV``): a chunk holds, layer after layer, the pages of its
-``blocks_per_chunk`` blocks (``layout.py``); every layer's KV is viewed as ``[num_blocks,
-page_bytes]`` uint8 rows, whatever the backend's page interior.
-- CPU backend: memcpys (numpy) on the calling thread, one per run of consecutive block ids (a
-  request's blocks mostly are). Not ``index_copy_``: on CPU it copies element by element,
-  0.3 GB/s against ~10 GB/s for a slice copy (``kvtier bench kv-copy`` measures both).
-- CUDA: the pool is registered with CUDA (pinned host memory) and copies run on a side stream
-  ordered after the model runner's stream (``streams.py``).
+The copies themselves (``PagedKV``: pages, layouts, CPU and CUDA paths) are in
+``paged_kv.py``; their ordering against the forward on CUDA in ``streams.py``.
 
 Threading: called from vLLM's model-runner thread; sync loads run layer by layer on one extra
 thread (``kvtier-load``) so a layer's attention can start while later layers copy (different
@@ -30,24 +24,21 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from kvtier.config_connector import ConnectorConfig
 from kvtier.connector.counters import C, Tally
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import (
-    ChunkCopy,
     KvtierMetadata,
     KvtierWorkerMetadata,
     LoadJob,
     SaveJob,
     SegmentRef,
 )
-from kvtier.connector.streams import DeviceOrdering, HostOrdering
-from kvtier.tiers.cpu import SharedSegment, checksum_views, map_segment
+from kvtier.connector.paged_kv import CopyPlan, PagedKV, PoolView
+from kvtier.tiers.cpu import checksum_views, map_segment
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +63,13 @@ class ConnectorWorker:
         # layer-wise saving, per step
         self._saved_layers: set[int] = set()
         self._failed_saves: set[int] = set()
+        self._save_plans: dict[int, CopyPlan] = {}  # job id -> plan, for this step
         # held blocks: requests whose late saves were copied, and requests vLLM said finished
         self._releasing: set[str] = set()
         self._announced: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.kv = PagedKV(kv_caches, self.geometry)
+        self.kv = PagedKV(kv_caches, self.geometry, self.config.cuda_copy_kernel)
         self._layer_ready = [threading.Event() for _ in self.geometry.layer_names]
         log.info(
             "kvtier worker rank %d: %d layers, %d-byte pages, %d-byte chunks, on %s",
@@ -93,11 +85,11 @@ class ConnectorWorker:
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         try:
             if self.kv is not None:  # this is the model runner's thread: its stream orders copies
-                self.kv.ordering.bind_compute()
+                self.kv.bind_compute()
             sync_jobs = [job for job in meta.loads if not job.is_async]
             for job in meta.loads:
                 if job.is_async:
-                    self._run_load(job, range(self.geometry.num_layers))
+                    self._run_load(job, None, range(self.geometry.num_layers))
                     self._finished_recving.add(job.req_id)
             if sync_jobs:
                 for event in self._layer_ready:
@@ -118,10 +110,20 @@ class ConnectorWorker:
 
     def _load_layers(self, jobs: list[LoadJob]) -> None:
         try:
+            plans: dict[str, CopyPlan | None] = {}
+            for job in jobs:  # once per job for all layers; a failure fails that job only
+                plans[job.req_id] = None
+                chunks = job.chunks.get(self.rank, [])
+                if self.kv is not None and chunks and not job.failed:
+                    try:
+                        plans[job.req_id] = self.kv.plan(chunks)
+                    except Exception as exc:
+                        self._fail_load(job, repr(exc))
+            last = self.geometry.num_layers - 1
             for layer in range(self.geometry.num_layers):
                 for job in jobs:
                     if job.req_id not in self._out.load_failed:
-                        self._run_load(job, (layer,), final=layer == self.geometry.num_layers - 1)
+                        self._run_load(job, plans[job.req_id], (layer,), final=layer == last)
                 self._layer_ready[layer].set()
         finally:
             for event in self._layer_ready:
@@ -142,7 +144,13 @@ class ConnectorWorker:
             self._load_thread.join()
             self._load_thread = None
 
-    def _run_load(self, job: LoadJob, layers: range | tuple[int, ...], final: bool = True) -> None:
+    def _run_load(
+        self,
+        job: LoadJob,
+        plan: CopyPlan | None,
+        layers: range | tuple[int, ...],
+        final: bool = True,
+    ) -> None:
         if job.failed:
             self._fail_load(job, job.failed)
             return
@@ -152,13 +160,15 @@ class ConnectorWorker:
         start = time.perf_counter()
         try:
             assert self.kv is not None, "register_kv_caches was not called"
+            if plan is None:
+                plan = self.kv.plan(chunks)
             pool = self._pool(job.segments[self.rank])
             if not pool.segment.is_live():
                 raise RuntimeError(f"pool segment {pool.segment.name} is no longer the store's")
             for layer in layers:
-                self.kv.load_layer(layer, pool, chunks)
+                self.kv.load_layer(layer, pool, plan)
             if final:
-                self.kv.synchronize()
+                self.kv.finish_loads()
                 # The store incarnation the extents belong to must still be the one serving:
                 # a restart mid-copy means the lease that guarded them is gone.
                 if not pool.segment.is_live():
@@ -234,7 +244,7 @@ class ConnectorWorker:
                     if layer not in self._saved_layers:
                         self._save_job_layer(job, layer)
             if self.kv is not None:
-                self.kv.synchronize()
+                self.kv.finish_saves()
         except Exception as exc:
             log.warning("kvtier: waiting for saves failed: %r", exc)
             self._failed_saves.update(job.job_id for job in meta.saves)
@@ -250,6 +260,7 @@ class ConnectorWorker:
                 self._out.saved.setdefault(job.job_id, set()).add(self.rank)
         self._saved_layers.clear()
         self._failed_saves.clear()
+        self._save_plans.clear()
         # blocks held for this step's late saves are copied now: vLLM may free them
         self._releasing.update(meta.release_blocks)
 
@@ -260,7 +271,10 @@ class ConnectorWorker:
         start = time.perf_counter()
         try:
             assert self.kv is not None
-            self.kv.save_layer(layer, self._pool(job.segments[self.rank]), chunks)
+            plan = self._save_plans.get(job.job_id)
+            if plan is None:
+                plan = self._save_plans[job.job_id] = self.kv.plan(chunks)
+            self.kv.save_layer(layer, self._pool(job.segments[self.rank]), plan)
         except Exception as exc:
             log.warning("kvtier save of %s failed: %r", job.req_id, exc)
             self._failed_saves.add(job.job_id)
@@ -314,174 +328,3 @@ class ConnectorWorker:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
-
-
-# -- the copies ---------------------------------------------------------------------------
-
-
-def page_rows(kv: torch.Tensor) -> torch.Tensor:
-    """``kv`` (one layer, blocks first) as ``[num_blocks, page_bytes]`` uint8 rows.
-
-    Each block's page must be contiguous (true of vLLM's layouts: CPU's contiguous tensors and
-    CUDA's strided per-layer views alike); rows may be strided.
-    """
-    if not kv[0].is_contiguous():
-        raise ValueError(f"a KV block page is not contiguous (shape {tuple(kv.shape)})")
-    num_blocks, page_elems = kv.shape[0], kv[0].numel()
-    rows = torch.as_strided(kv, (num_blocks, page_elems), (kv.stride(0), 1))
-    return rows.view(torch.uint8)
-
-
-def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(position, first block id, count)`` for each run of consecutive ids in ``block_ids``,
-    ``position`` being the run's index in ``block_ids``."""
-    runs: list[tuple[int, int, int]] = []
-    for position, block in enumerate(block_ids):
-        if runs:
-            first_pos, first_block, count = runs[-1]
-            if block == first_block + count:
-                runs[-1] = (first_pos, first_block, count + 1)
-                continue
-        runs.append((position, block, 1))
-    return runs
-
-
-def _pieces(
-    extents: Sequence[tuple[int, int]], start: int, length: int
-) -> Iterator[tuple[int, int]]:
-    """Segment (offset, length) pieces covering chunk bytes ``[start, start + length)``."""
-    pos = 0
-    for offset, size in extents:
-        lo, hi = max(start, pos), min(start + length, pos + size)
-        if lo < hi:
-            yield offset + lo - pos, hi - lo
-        pos += size
-        if pos >= start + length:
-            return
-
-
-def _host_pages(
-    pool: PoolView, extents: Sequence[tuple[int, int]], start: int, count: int, page_bytes: int
-) -> np.ndarray:
-    """Chunk bytes ``[start, start + count pages)`` as ``[count, page_bytes]``: a view of the
-    pool, or a copy when they span extents (a chunk the allocator had to split).
-
-    ``PoolView.read`` in numpy: slicing and viewing torch tensors costs a few µs per chunk and
-    layer, 15 % of an 8k-token load (``kvtier bench kv-copy``), so the CPU path skips torch."""
-    pieces = list(_pieces(extents, start, count * page_bytes))
-    array = pool.segment.array
-    if len(pieces) == 1:
-        offset, n = pieces[0]
-        return array[offset : offset + n].reshape(count, page_bytes)
-    return np.concatenate([array[o : o + n] for o, n in pieces]).reshape(count, page_bytes)
-
-
-class PoolView:
-    """A pool segment as a torch uint8 tensor (registered with CUDA when asked)."""
-
-    def __init__(self, segment: SharedSegment, pin: bool) -> None:
-        self.segment = segment
-        self.tensor = torch.from_numpy(segment.array)
-        self.pinned = False
-        if pin and torch.cuda.is_available():
-            rc = torch.cuda.cudart().cudaHostRegister(
-                self.tensor.data_ptr(), self.tensor.numel(), 0
-            )
-            self.pinned = int(rc[0] if isinstance(rc, tuple) else rc) == 0
-            if not self.pinned:
-                log.warning("cudaHostRegister of the pool failed (%s): copies will block", rc)
-
-    def read(self, extents: Sequence[tuple[int, int]], start: int, length: int) -> torch.Tensor:
-        """Chunk bytes ``[start, start + length)``: a view, or a copy if they span extents."""
-        pieces = list(_pieces(extents, start, length))
-        if len(pieces) == 1:
-            offset, n = pieces[0]
-            return self.tensor[offset : offset + n]
-        return torch.cat([self.tensor[o : o + n] for o, n in pieces])
-
-    def write(
-        self,
-        extents: Sequence[tuple[int, int]],
-        start: int,
-        data: torch.Tensor,
-        non_blocking: bool = False,
-    ) -> None:
-        flat = data.reshape(-1)
-        pos = 0
-        for offset, n in _pieces(extents, start, flat.numel()):
-            self.tensor[offset : offset + n].copy_(flat[pos : pos + n], non_blocking=non_blocking)
-            pos += n
-
-    def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
-
-
-class PagedKV:
-    def __init__(self, kv_caches: dict[str, torch.Tensor], geometry: KvGeometry) -> None:
-        missing = [name for name in geometry.layer_names if name not in kv_caches]
-        if missing:
-            raise ValueError(f"KV caches lack layers {missing[:3]}")
-        self.geometry = geometry
-        self.rows = [page_rows(kv_caches[name]) for name in geometry.layer_names]
-        for name, rows in zip(geometry.layer_names, self.rows, strict=True):
-            if rows.shape[1] != geometry.page_bytes:
-                raise ValueError(
-                    f"layer {name}: page is {rows.shape[1]} bytes, expected {geometry.page_bytes}"
-                )
-        self.device = self.rows[0].device
-        self.is_cuda = self.device.type == "cuda"
-        self.ordering: HostOrdering | DeviceOrdering = (
-            DeviceOrdering(self.device, len(self.rows)) if self.is_cuda else HostOrdering()
-        )
-        # CPU: numpy views of the same memory; np.copyto costs ~1 µs a call against ~10 µs
-        # for torch's copy_, which matters with one call per run of blocks.
-        self.host_rows = [] if self.is_cuda else [rows.numpy() for rows in self.rows]
-
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
-
-    def load_layer(self, layer: int, pool: PoolView, chunks: Sequence[ChunkCopy]) -> None:
-        """Copy layer ``layer`` of ``chunks`` from the pool into the KV pages."""
-        geo = self.geometry
-        with self.ordering.copying():
-            for chunk in chunks:
-                count = len(chunk.block_ids)
-                start = layer * geo.layer_bytes + chunk.first_block * geo.page_bytes
-                if not self.is_cuda:
-                    src_pages = _host_pages(pool, chunk.extents, start, count, geo.page_bytes)
-                    rows = self.host_rows[layer]
-                    for position, block, n in block_runs(chunk.block_ids):
-                        np.copyto(rows[block : block + n], src_pages[position : position + n])
-                    continue
-                src = pool.read(chunk.extents, start, count * geo.page_bytes)
-                src = src.view(count, geo.page_bytes).to(self.device, non_blocking=pool.pinned)
-                self.rows[layer].index_copy_(0, self._index(chunk.block_ids), src)
-            self.ordering.layer_loaded(layer)
-
-    def wait_layer(self, layer: int) -> None:
-        """Make the compute stream wait for layer ``layer``'s load (CUDA); no-op on CPU."""
-        self.ordering.wait_layer(layer)
-
-    def save_layer(self, layer: int, pool: PoolView, chunks: Sequence[ChunkCopy]) -> None:
-        """Copy layer ``layer`` of the KV pages of ``chunks`` into the pool."""
-        geo = self.geometry
-        with self.ordering.copying():
-            for chunk in chunks:
-                count = len(chunk.block_ids)
-                start = layer * geo.layer_bytes + chunk.first_block * geo.page_bytes
-                pieces = list(_pieces(chunk.extents, start, count * geo.page_bytes))
-                if not self.is_cuda and len(pieces) == 1:  # gather straight into the pool
-                    offset, n = pieces[0]
-                    dst = pool.segment.array[offset : offset + n].reshape(count, geo.page_bytes)
-                    rows = self.host_rows[layer]
-                    for position, block, run in block_runs(chunk.block_ids):
-                        np.copyto(dst[position : position + run], rows[block : block + run])
-                    continue
-                pages = torch.index_select(self.rows[layer], 0, self._index(chunk.block_ids))
-                pool.write(chunk.extents, start, pages, non_blocking=self.is_cuda and pool.pinned)
-
-    def synchronize(self) -> None:
-        """Wait for every copy issued so far (CUDA); no-op on CPU."""
-        self.ordering.synchronize()

@@ -8,10 +8,24 @@ node's shared DRAM pool, other nodes' pools (remote), and later local disk.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 # (offset, length) in bytes from the start of a pool segment.
 Extent = tuple[int, int]
+
+
+def extent_pieces(extents: Sequence[Extent], start: int, length: int) -> Iterator[Extent]:
+    """The segment (offset, length) pieces holding bytes ``[start, start + length)`` of a
+    chunk stored in ``extents`` (the allocator may split a chunk into several)."""
+    pos = 0
+    for offset, size in extents:
+        lo, hi = max(start, pos), min(start + length, pos + size)
+        if lo < hi:
+            yield offset + lo - pos, hi - lo
+        pos += size
+        if pos >= start + length:
+            return
 
 
 class Tier(enum.StrEnum):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from kvtier.connector.fingerprint import (
     weights_fingerprint,
 )
 from kvtier.connector.guard import HookGuard
-from kvtier.connector.streams import DeviceOrdering
 from kvtier.keys import Namespace
 from kvtier.tiers import connect
 
@@ -100,64 +98,6 @@ def test_context_parallel_layouts_are_refused_at_startup() -> None:
             object.__setattr__(config, name, value)
         with pytest.raises(UnsupportedModel, match="context parallelism"):
             check_parallelism(config)
-
-
-class _Recorder:
-    """Plays torch.cuda: streams are names, the 'current' stream is per thread."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, ...]] = []
-        self.local = threading.local()
-        recorder = self
-
-        class Stream:
-            def __init__(self, device: object = None, name: str = "side") -> None:
-                self.name = name
-
-            def wait_stream(self, other: Stream) -> None:
-                recorder.calls.append(("wait_stream", self.name, other.name))
-
-            def wait_event(self, event: object) -> None:
-                recorder.calls.append(("wait_event", self.name))
-
-            def synchronize(self) -> None:
-                recorder.calls.append(("synchronize", self.name))
-
-        class Event:
-            def record(self, stream: Stream) -> None:
-                recorder.calls.append(("record", stream.name))
-
-        self.Stream, self.Event = Stream, Event
-
-    def current_stream(self, device: object = None):
-        return self.Stream(name=getattr(self.local, "stream", "default"))
-
-    def stream(self, stream: object):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
-def test_side_stream_waits_for_the_model_runners_stream_not_the_load_threads() -> None:
-    """Layer-wise loads are issued from a thread whose current stream is the default one;
-    the copies must still be ordered after the stream the forward runs on."""
-    cuda = _Recorder()
-    ordering = DeviceOrdering("cuda:0", num_layers=2, backend=cuda)
-    cuda.local.stream = "forward"  # vLLM's model runner computes on a non-default stream
-    ordering.bind_compute()
-
-    def load_thread() -> None:  # current stream: "default"
-        with ordering.copying():
-            pass
-        ordering.layer_loaded(0)
-
-    thread = threading.Thread(target=load_thread)
-    thread.start()
-    thread.join()
-    ordering.wait_layer(0)
-    assert ("wait_stream", "side", "forward") in cuda.calls
-    assert ("wait_stream", "side", "default") not in cuda.calls
-    assert cuda.calls[-1] == ("wait_event", "forward")
 
 
 def test_sync_loads_require_piecewise_cuda_graphs() -> None:
