@@ -96,7 +96,13 @@ def bench_kv_copy(
     (CPU), pinned cudaMemcpy and a layer-wise load under a forward (CUDA)."""
     counts = [int(t) for t in tokens.split(",") if t.strip()]
     if device == "cuda":
+        import torch
+
         from kvtier.bench import kv_copy_cuda
+
+        if not torch.cuda.is_available():
+            typer.echo("no CUDA device here: --device cuda measures a GPU's copies", err=True)
+            raise typer.Exit(2)
 
         report = kv_copy_cuda.run_cuda(
             counts,
