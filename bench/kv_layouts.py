@@ -22,7 +22,7 @@ functions, so a vLLM upgrade that moves a byte fails there, not silently on a GP
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -87,22 +87,18 @@ class CacheCase:
     def page_bytes(self) -> int:
         return self.groups[0].spec.page_bytes
 
-    def kernel_blocks_per_block(self) -> int:
-        bs = self.groups[0].spec.block_size
-        return bs // (self.kernel_block_size or bs)
-
 
 @dataclass(frozen=True)
 class TensorPlacement:
     """vLLM's ``KVCacheTensor``: layer ``layers[l]``'s page of block ``b`` starts at
     ``offset + l * layer_stride + b * block_stride`` bytes into the one allocation."""
 
+    spec: PageSpec  # the layers' page (kvtier's addition: vLLM keeps it on the group)
     size: int
     layers: tuple[str, ...]
     layer_stride: int
     block_stride: int
     offset: int = 0
-    spec: PageSpec = field(default=PageSpec(1, 1, 1, torch.uint8), compare=False)
 
 
 def _strides(
@@ -138,12 +134,7 @@ def placements(case: CacheCase, num_blocks: int) -> list[TensorPlacement]:
         layer_stride, block_stride = _strides(case.layout, shape, None, interleaved)[:2]
         out.append(
             TensorPlacement(
-                bytes_per_block * num_blocks,
-                group.layers,
-                layer_stride,
-                block_stride,
-                0,
-                group.spec,
+                group.spec, bytes_per_block * num_blocks, group.layers, layer_stride, block_stride
             )
         )
     return out

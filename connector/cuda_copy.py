@@ -24,7 +24,6 @@ It needs Triton (vLLM's CUDA build ships it) and a driver that maps registered m
 from __future__ import annotations
 
 import ctypes
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +32,8 @@ import numpy as np
 import torch
 
 from kvtier.chunks import extent_pieces
+from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import ChunkCopy
-
-log = logging.getLogger(__name__)
 
 WORD = 8  # bytes the kernel moves per element
 TILE = 1024  # words per program: 8 KiB, a 64 KiB page is 8 programs
@@ -133,10 +131,6 @@ class Memcpy:
     def __init__(self, runtime: bool = True) -> None:
         self.cudart = _cudart() if runtime else None
 
-    @property
-    def via(self) -> str:
-        return "CUDA runtime" if self.cudart is not None else "torch copy_"
-
     def __call__(
         self,
         dst: torch.Tensor,
@@ -168,17 +162,13 @@ def device_words(host: torch.Tensor) -> torch.Tensor | None:
     return torch.as_tensor(_CudaArray(pointer, host.numel() // WORD), device="cuda")
 
 
-def storage_words(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The one allocation every layer's page rows live in, as CUDA int64 words; None when the
-    layers do not share one (then per-layer bases would be needed: the memcpy path runs)."""
-    storages = {r.untyped_storage().data_ptr() for r in rows}
-    if len(storages) != 1:
+def storage_words(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one allocation every layer lives in (``layers``: each layer's allocation as flat
+    bytes), as int64 words; None when the layers do not share one (the kernel addresses
+    every layer from one base: the copy engine runs) or it is not whole words."""
+    if len({flat.data_ptr() for flat in layers}) != 1 or layers[0].numel() % WORD:
         return None
-    storage = rows[0].untyped_storage()
-    if storage.nbytes() % WORD:
-        return None
-    whole = torch.empty(0, dtype=torch.uint8, device=rows[0].device).set_(storage)
-    return whole.view(torch.int64)
+    return layers[0].view(torch.int64)
 
 
 @dataclass
@@ -278,7 +268,7 @@ class KernelPlan:
 
 def kernel_plan(
     chunks: Sequence[ChunkCopy],
-    geometry: Any,
+    geometry: KvGeometry,
     layer_offsets: Sequence[int],
     block_stride: int,
 ) -> KernelPlan | None:

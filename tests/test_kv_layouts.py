@@ -162,7 +162,7 @@ def test_every_block_compact_layout_round_trips_through_the_pool(
             if path == "kernel":
                 monkeypatch.setattr(cuda_copy.KernelPlan, "copy", _emulated_kernel)
                 monkeypatch.setattr(worker_module, "PoolView", _MappedPool)
-                paged.kv_words = cuda_copy.storage_words(paged.rows)
+                paged.kv_words = cuda_copy.storage_words(paged.kv_flat)
                 paged.use_kernel = True
         calls = _emulated_kernel.calls  # type: ignore[attr-defined]
         round_trip(rig, is_async=load == "async")
