@@ -64,6 +64,11 @@ class C:
     UNVERIFIED_CHUNKS = Counter(
         "unverified_chunks", "Loaded chunks whose checksum was not known yet (not verified)"
     )
+    DEVICE_BLOCKS_EVICTED = Counter(
+        "device_blocks_evicted",
+        "vLLM prefix-cache blocks evicted after a failed load (never filled, or computed over"
+        " blocks that were not)",
+    )
     CORRUPT_CHUNKS_DELETED = Counter(
         "corrupt_chunks_deleted", "Chunks deleted from the store after failing their checksum"
     )

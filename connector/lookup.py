@@ -96,6 +96,10 @@ class RequestState:
     saved_upto: int = 0  # chunks [save_from_chunk, saved_upto) already planned for saving
     load_tokens: int = 0  # external tokens of the load in flight
     no_external: bool = False  # a load failed: this request recomputes from here on
+    # Tokens [from, upto) whose device blocks a load failed to fill (and everything computed
+    # over them): never saved unless a step of this request recomputes them. vLLM rewinds the
+    # request to recompute, but a preempted request can resume on a device hit over them.
+    unfilled: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, request: Request, generation: int) -> RequestState:
@@ -131,6 +135,23 @@ class RequestState:
                 self.keyers = {}
             changed = True
         return changed
+
+    def recomputes(self, computed: int, count: int, chunk_tokens: int) -> None:
+        """A step of ``count`` tokens from ``computed``: follow the recompute of unfilled
+        tokens; a step that starts past them (they were skipped, not recomputed) moves the
+        first savable chunk past its start."""
+        if self.unfilled is None:
+            return
+        start, upto = self.unfilled
+        if computed > start:
+            first_clean = -(-computed // chunk_tokens)
+            self.save_from_chunk = max(self.save_from_chunk, first_clean)
+            self.saved_upto = max(self.saved_upto, first_clean)
+            self.unfilled = None
+        elif computed + count >= upto:
+            self.unfilled = None
+        else:
+            self.unfilled = (max(start, computed + count), upto)
 
     def keys(self, rank: int, upto_chunks: int, chunk_tokens: int) -> list[bytes]:
         """Keys of the first ``upto_chunks`` chunks of the request's tokens (so far)."""

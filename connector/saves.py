@@ -142,6 +142,7 @@ class SavePlanner:
         request = state.request
         if not state.cacheable:
             return None
+        state.recomputes(computed, count, geo.chunk_tokens)
         limit = request.num_prompt_tokens if self.config.save == "prompt" else request.num_tokens
         end = min(computed + count, limit) // geo.chunk_tokens
         start = max(state.save_from_chunk, state.saved_upto)

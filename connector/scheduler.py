@@ -8,7 +8,11 @@ Per request:
    naming per TP rank the store incarnation its extents belong to.
 3. ``build_meta``: chunks this step completes get pool space (``saves.py``).
 4. ``on_worker_output``: failed loads first (their blocks taint every save computed over
-   them), then commits of the saves whose bytes are good, then lease releases.
+   them, leave vLLM's prefix cache, and are never saved until recomputed), then commits of
+   the saves whose bytes are good, then lease releases.
+
+Every hook that acts on a request first follows its inputs (``RequestState.refresh``): a
+streaming-input session changes them between steps without a new lookup.
 
 Nothing here waits on the network for longer than a small budget: store calls run on the
 ``kvtier-lookup`` / ``kvtier-alloc`` / ``kvtier-ops`` threads (inline for an embedded store,
@@ -105,6 +109,8 @@ class ConnectorScheduler:
         self.hit_sources: dict[str, dict[str, int]] = {}  # req -> tier -> tokens (last plan)
         # req id -> its block ids (vLLM's KV cache manager; bound once the scheduler exists)
         self.block_ids_of: Callable[[str], list[int]] | None = None
+        # drops blocks from vLLM's prefix cache (its KV cache manager's evict_blocks)
+        self.evict_device_blocks: Callable[[set[int]], None] | None = None
         # loads handed to the workers: the job (its blocks) and the outcome (its leases)
         self._loading: dict[str, tuple[LoadJob, LookupOutcome]] = {}
         # leases of loads whose request finished while the workers were still copying
@@ -123,10 +129,23 @@ class ConnectorScheduler:
         if state is None:
             state = RequestState.of(request, self.identity.generation)
             self._requests[request.request_id] = state
-        elif state.refresh(self.identity.generation, self.geometry.chunk_tokens):
+        else:
+            self._refresh(state)
+        return state
+
+    def _known(self, req_id: str) -> RequestState | None:
+        """The request's state, following inputs changed since the last hook (a resumed
+        streaming session reaches ``update_state_after_alloc`` and ``build_meta`` without
+        a lookup)."""
+        state = self._requests.get(req_id)
+        if state is not None:
+            self._refresh(state)
+        return state
+
+    def _refresh(self, state: RequestState) -> None:
+        if state.refresh(self.identity.generation, self.geometry.chunk_tokens):
             self._drop_outcome(state)
             self._supersede_lookup(state)
-        return state
 
     # -- 1. lookup ---------------------------------------------------------------------------
 
@@ -190,7 +209,7 @@ class ConnectorScheduler:
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        state = self._requests.get(request.request_id)
+        state = self._known(request.request_id)
         if state is None:
             if num_external_tokens:  # cannot happen: we offered nothing. Never trust it.
                 self.fail_external(request.request_id, block_ids, 0, num_external_tokens)
@@ -301,7 +320,7 @@ class ConnectorScheduler:
                 items = [
                     (state, computed, count)
                     for req_id, computed, count in scheduled
-                    if (state := self._requests.get(req_id)) is not None
+                    if (state := self._known(req_id)) is not None
                 ]
                 meta.saves, meta.release_blocks = self.saves.plan(
                     items, self.block_ids_of, preempted or set()
@@ -355,14 +374,16 @@ class ConnectorScheduler:
             state = self._requests.get(req_id)
             if state is not None:
                 state.no_external = True  # do not offer the same bytes again
-                # vLLM recomputes from the first failed block: those chunks may be saved then
-                first = (
-                    job_outcome[1].computed if job_outcome else 0
-                ) // self.geometry.chunk_tokens
+                # vLLM recomputes from the first failed block: those chunks may be saved once
+                # a step of this request has recomputed them (``RequestState.recomputes``)
+                start = job_outcome[1].computed if job_outcome else 0
+                first = start // self.geometry.chunk_tokens
                 state.save_from_chunk = min(state.save_from_chunk, first)
                 state.saved_upto = min(state.saved_upto, first)
+                state.unfilled = (start, state.request.num_tokens)
             self._forget_corrupt(req_id, meta.corrupt.get(req_id, set()))
         self.saves.taint(tainted)
+        self._evict_device(tainted)
         self.saves.on_reports(meta.saved, meta.save_failed)
         for req_id in set(meta.loaded) | set(meta.load_failed):
             job_outcome = self._loading.pop(req_id, None)
@@ -379,6 +400,26 @@ class ConnectorScheduler:
             orphan = self._release_after_load.pop(req_id, None)
             if orphan is not None:
                 self._release(orphan)
+
+    def _evict_device(self, failed: set[int]) -> None:
+        """Take blocks a load failed to fill out of vLLM's prefix cache, with every block after
+        them in any request holding them (computed over them). For a sync load vLLM cached
+        them at allocation and, under ``kv_load_failure_policy: recompute``, keeps them cached:
+        a request preempted or aborted before it recomputes would leave them to the next
+        request with that prefix as a device hit on KV that was never there."""
+        if not failed or self.block_ids_of is None or self.evict_device_blocks is None:
+            return
+        doomed = set(failed)
+        for req_id in self._requests:
+            try:
+                blocks = self.block_ids_of(req_id)
+            except Exception:  # no blocks allocated (waiting)
+                continue
+            first = next((i for i, b in enumerate(blocks) if b in failed), None)
+            if first is not None:
+                doomed.update(blocks[first:])
+        self.evict_device_blocks(doomed)
+        self._count(C.DEVICE_BLOCKS_EVICTED, len(doomed))
 
     def _forget_corrupt(self, req_id: str, chunks: set[tuple[int, bytes]]) -> None:
         """Delete exactly the chunks whose bytes failed their checksum, so no one loads them."""

@@ -166,6 +166,7 @@ class KvtierConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self.scheduler is not None
         self.scheduler.block_ids_of = lambda req_id: kv_cache_manager.get_block_ids(req_id)[0]
+        self.scheduler.evict_device_blocks = kv_cache_manager.evict_blocks
 
     @_timed
     def get_num_new_matched_tokens(
