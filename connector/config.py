@@ -98,3 +98,19 @@ def _set(nested: dict[str, Any], dotted: str, value: Any) -> None:
     for part in parents:
         nested = nested.setdefault(part, {})
     nested[leaf] = value
+
+
+def with_engine_constraints(config: ConnectorConfig, async_scheduling: bool) -> ConnectorConfig:
+    """The connector config this engine can run exactly. With async scheduling (vLLM's default
+    on CUDA) step N+1 is scheduled before step N's outputs are back: a sync load that fails
+    in step N is known only after a step computed over its unloaded KV was scheduled, and that
+    step's token reaches the user. Async loads are known complete before the request is
+    scheduled at all, so they are used instead (a warning says so)."""
+    if async_scheduling and config.load_mode == "sync":
+        log.warning(
+            "kvtier: vLLM's async scheduling is on, so loads are async (load_mode: async): a "
+            "sync load's failure would be known only after a step over its missing KV was "
+            "already scheduled"
+        )
+        return config.model_copy(update={"load_mode": "async"})
+    return config

@@ -9,11 +9,13 @@ LoRA name can be reused for other adapter weights. So the namespace carries fing
 
 - ``model_config_fingerprint``: the engine's resolved model config (the HF config after
   ``hf_overrides``, quantization, compute dtype), as canonical JSON.
-- ``files_fingerprint``: a directory of weights: every weight/metadata file's name and size,
-  the whole of each small metadata file (configs, safetensors indexes, adapter configs), each
-  safetensors header (dtypes, shapes, offsets) and ``SAMPLES`` evenly spaced 64 KiB windows of
-  every large file's bytes. Reading a few MB per model keeps start-up cheap while a fine-tune
-  written over the same files (same names, sizes and headers, other values) still changes it.
+- ``files_fingerprint``: a directory of weights: every weight/metadata file's name, size and
+  the XXH3-128 of all of its bytes. Sampling windows of each file was cheaper but blind: a
+  fine-tune changing 4 of 50 tensors kept the fingerprint. A whole-file digest costs one read
+  of the checkpoint (measured in docs/keys/spec.md: ~1 s per GB from disk, a few GB/s from
+  the page cache) and is paid once per file version: digests are kept by (path, size, mtime,
+  inode) in memory and in ``$KVTIER_CACHE_DIR`` (default ``~/.cache/kvtier``), so a restart
+  of an engine on the same files reads none of them.
   Weights changed in place *in memory* (RL weight sync) cannot be seen here: operators set
   ``weights_tag`` for that, or rely on the namespace bump at ``reset_prefix_cache``.
 
@@ -24,8 +26,9 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
-from collections.abc import Iterable
+import os
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +36,7 @@ import xxhash
 
 log = logging.getLogger(__name__)
 
-SAMPLES = 8  # windows sampled per large weight file
-WINDOW = 64 << 10
-SMALL_FILE = 1 << 20  # metadata files up to this size are hashed whole
+READ_BYTES = 16 << 20  # one read of a weight file while hashing it
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 METADATA_SUFFIXES = (".json", ".model", ".txt", ".yaml", ".yml")
 # HF config keys that name or date the file rather than describe the model
@@ -75,20 +76,11 @@ def _plain(value: Any) -> Any:
 
 def files_fingerprint(root: Path) -> str:
     """Fingerprint of a directory of weights (or one weight file). See the module docstring."""
-    h = xxhash.xxh3_128(b"kvtier/weights/v1\n")
+    h = xxhash.xxh3_128(b"kvtier/weights/v2\n")
     for path in _weight_files(root):
         size = path.stat().st_size
         rel = path.name if root.is_file() else path.relative_to(root).as_posix()
-        h.update(f"{rel}\0{size}\n".encode())
-        with path.open("rb") as f:
-            if size <= SMALL_FILE and path.suffix in METADATA_SUFFIXES:
-                h.update(f.read())
-                continue
-            if path.suffix == ".safetensors":
-                h.update(_safetensors_header(f, size))
-            for offset in _sample_offsets(size):
-                f.seek(offset)
-                h.update(f.read(WINDOW))
+        h.update(f"{rel}\0{size}\0{FILE_DIGESTS.of(path)}\n".encode())
     return h.hexdigest()
 
 
@@ -104,18 +96,85 @@ def _weight_files(root: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _safetensors_header(f: Any, size: int) -> bytes:
-    if size < 8:
-        return b""
-    (length,) = struct.unpack("<Q", f.read(8))
-    return f.read(min(length, size - 8, 100 << 20))
+def hash_file(path: Path) -> str:
+    """XXH3-128 of every byte of ``path`` (xxhash releases the GIL while it hashes)."""
+    h = xxhash.xxh3_128()
+    buffer = bytearray(READ_BYTES)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
-def _sample_offsets(size: int) -> Iterable[int]:
-    if size <= WINDOW * SAMPLES:
-        return range(0, size, WINDOW)
-    step = (size - WINDOW) // (SAMPLES - 1)
-    return (i * step for i in range(SAMPLES))
+class FileDigests:
+    """Whole-file digests kept by (path, size, mtime, inode): a file rewritten in place gets
+    a new mtime (and usually a new inode), so it is hashed again; an unchanged file is hashed
+    once per machine. The on-disk copy is a cache only: unreadable or corrupt, it is ignored.
+
+    Thread-safe (one lock; hashing itself runs outside it)."""
+
+    def __init__(self, cache_dir: Path | None) -> None:
+        self._lock = threading.Lock()
+        self._digests: dict[str, str] = {}
+        self._file = cache_dir / "file-digests.json" if cache_dir is not None else None
+        self._loaded = False
+
+    @staticmethod
+    def _key(path: Path) -> str:
+        st = path.stat()
+        return f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
+
+    def of(self, path: Path) -> str:
+        key = self._key(path)
+        with self._lock:
+            self._load()
+            digest = self._digests.get(key)
+        if digest is not None:
+            return digest
+        digest = hash_file(path)
+        if self._key(path) != key:  # changed while being read: do not remember it
+            return digest
+        with self._lock:
+            self._digests[key] = digest
+            self._save()
+        return digest
+
+    def _load(self) -> None:
+        if self._loaded or self._file is None:
+            return
+        self._loaded = True
+        try:
+            data = json.loads(self._file.read_text())
+            if isinstance(data, dict):
+                self._digests.update(
+                    {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+                )
+        except (OSError, ValueError):
+            pass
+
+    def _save(self) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self._file.parent, prefix=".file-digests-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._digests, f)
+            os.replace(tmp, self._file)
+        except OSError as exc:
+            log.debug("kvtier: cannot keep file digests in %s: %s", self._file, exc)
+
+
+def _cache_dir() -> Path | None:
+    configured = os.environ.get("KVTIER_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    home = os.environ.get("XDG_CACHE_HOME") or (Path.home() / ".cache")
+    return Path(home) / "kvtier"
+
+
+FILE_DIGESTS = FileDigests(_cache_dir())
 
 
 def weights_fingerprint(model: str, revision: str | None = None) -> str:
@@ -140,26 +199,32 @@ def weights_fingerprint(model: str, revision: str | None = None) -> str:
 
 
 class AdapterFingerprints:
-    """LoRA adapter fingerprints by path, recomputed when a file's size or mtime changes.
+    """LoRA adapter fingerprints by path (never by adapter name: a name can be reused for other
+    weights), recomputed when a file's size, mtime or inode changes.
 
-    Not thread-safe: one per connector, used from its lookup path."""
+    Thread-safe: the lookup and alloc threads both resolve namespaces."""
 
     def __init__(self, limit: int = 256) -> None:
-        self._cache: dict[str, tuple[tuple[tuple[str, int, int], ...], str]] = {}
+        self._cache: dict[str, tuple[tuple[tuple[str, int, int, int], ...], str]] = {}
         self._limit = limit
+        self._lock = threading.Lock()
 
     def of(self, adapter_path: str) -> str:
         root = Path(adapter_path)
         stamp = tuple(
-            (p.name, st.st_size, st.st_mtime_ns) for p in _weight_files(root) for st in (p.stat(),)
+            (p.name, st.st_size, st.st_mtime_ns, st.st_ino)
+            for p in _weight_files(root)
+            for st in (p.stat(),)
         )
         if not stamp:
             raise FileNotFoundError(f"no adapter weights under {adapter_path}")
-        cached = self._cache.get(adapter_path)
+        with self._lock:
+            cached = self._cache.get(adapter_path)
         if cached is not None and cached[0] == stamp:
             return cached[1]
         fingerprint = files_fingerprint(root)
-        if len(self._cache) >= self._limit:
-            self._cache.pop(next(iter(self._cache)))
-        self._cache[adapter_path] = (stamp, fingerprint)
+        with self._lock:
+            if len(self._cache) >= self._limit:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[adapter_path] = (stamp, fingerprint)
         return fingerprint

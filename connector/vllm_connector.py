@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.connector.config import parse_extra_config
+from kvtier.connector.config import parse_extra_config, with_engine_constraints
 from kvtier.connector.counters import C
 from kvtier.connector.guard import HookGuard
 from kvtier.connector.layout import describe
@@ -89,7 +89,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self.settings = parse_extra_config(
             self._kv_transfer_config.kv_connector_extra_config, block_size
         )
-        self.config = self.settings.connector
+        self.config = with_engine_constraints(
+            self.settings.connector, bool(vllm_config.scheduler_config.async_scheduling)
+        )
         geometry, identity = describe(
             vllm_config,
             kv_cache_config,

@@ -117,7 +117,6 @@ class EngineRig:
                 max_model_len=max_len,
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
-                async_scheduling=async_scheduling,
             ),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KvtierConnector",
@@ -137,7 +136,13 @@ class EngineRig:
             kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)],
         )
         vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.scheduler = Scheduler(
+        scheduler_class: Any = Scheduler
+        if async_scheduling:  # vLLM's default on CUDA; its CPU build turns it off in config
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+            vllm_config.scheduler_config.async_scheduling = True
+            scheduler_class = AsyncScheduler
+        self.scheduler = scheduler_class(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),

@@ -121,3 +121,32 @@ def test_unfilled_blocks_are_never_saved_even_if_vllm_still_caches_them(
         assert [w.req_id for w in rig.wrong if w.req_id == "r9"] == []
     finally:
         rig.close()
+
+
+def test_async_scheduling_makes_loads_async_and_their_failures_exact(tmp_path: Path) -> None:
+    """With async scheduling (vLLM's default on CUDA) a sync load's failure is known only
+    after the next step was scheduled over it: the connector loads asynchronously instead,
+    and a failed async load is recomputed before its request computes anything."""
+    rig = EngineRig(tmp_path, async_scheduling=True)
+    try:
+        assert rig.connector.config.load_mode == "async"
+        seed(rig)
+        rig.add("r1", [*PROMPT, *range(600, 640)])
+        rig.step(damage_last_chunk)
+        rig.add("r2", [*PROMPT, *range(700, 720)])  # same prefix while r1 recovers
+        rig.run()
+        assert rig.counters.get("load_failed_requests", 0) == 1
+        assert rig.wrong == []
+        assert rig.outputs_of("r1") and rig.outputs_of("r2")
+    finally:
+        rig.close()
+
+
+def test_load_mode_follows_async_scheduling() -> None:
+    from kvtier.config_connector import ConnectorConfig
+    from kvtier.connector.config import with_engine_constraints
+
+    sync = ConnectorConfig(load_mode="sync")
+    assert with_engine_constraints(sync, async_scheduling=True).load_mode == "async"
+    assert with_engine_constraints(sync, async_scheduling=False).load_mode == "sync"
+    assert with_engine_constraints(ConnectorConfig(load_mode="async"), True).load_mode == "async"

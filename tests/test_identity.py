@@ -49,6 +49,108 @@ def test_weights_fingerprint_sees_new_values_of_the_same_shape(tmp_path: Path) -
     assert len({before, files_fingerprint(model)}) == 2
 
 
+def test_weights_fingerprint_sees_a_partial_fine_tune(tmp_path: Path) -> None:
+    """4 of 50 tensors changed (8 % of the weights; a merged LoRA, a re-quantized projection)
+    change it: every byte of every weight file is read."""
+    import json
+    import struct
+
+    import numpy as np
+
+    n, size = 50, 2 << 20  # 100 MB: what sampling 8 windows per file missed
+    header = json.dumps(
+        {
+            f"layers.{i}.w": {
+                "dtype": "U8",
+                "shape": [size],
+                "data_offsets": [i * size, (i + 1) * size],
+            }
+            for i in range(n)
+        }
+    ).encode()
+    body = np.random.default_rng(0).integers(0, 255, n * size, dtype=np.uint8)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+
+    def write(values: np.ndarray) -> str:
+        data = struct.pack("<Q", len(header)) + header + values.tobytes()
+        (model / "model.safetensors").write_bytes(data)
+        return files_fingerprint(model)
+
+    before = write(body)
+    tuned = body.copy()
+    for i in (3, 17, 29, 41):
+        tuned[i * size : (i + 1) * size] ^= 0x5A
+    assert write(tuned) != before
+    assert write(body) == before
+
+
+def test_file_digests_are_kept_by_path_size_mtime_and_inode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unchanged file is read once, also across processes (the on-disk cache); a file
+    rewritten in place is read again."""
+    from kvtier.connector import fingerprint
+
+    reads: list[Path] = []
+    real = fingerprint.hash_file
+    monkeypatch.setattr(fingerprint, "hash_file", lambda path: reads.append(path) or real(path))
+    weights = tmp_path / "model.safetensors"
+    _safetensors(weights, b"\x01" * 4096)
+    digests = fingerprint.FileDigests(tmp_path / "cache")
+    first = digests.of(weights)
+    assert digests.of(weights) == first and len(reads) == 1
+    assert fingerprint.FileDigests(tmp_path / "cache").of(weights) == first  # a restart
+    assert len(reads) == 1
+    _safetensors(weights, b"\x02" * 4096)  # same size, other values
+    assert fingerprint.FileDigests(tmp_path / "cache").of(weights) != first
+    assert len(reads) == 2
+
+
+def test_lora_namespace_follows_the_adapter_weights_not_its_name(
+    tmp_path: Path, store_config: StoreConfig
+) -> None:
+    """Two adapters served under one name are two namespaces; one adapter's weights under two
+    names (or paths) are one; an adapter rewritten under its name is a new namespace."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import Request
+
+    from kvtier.config_connector import ConnectorConfig
+    from kvtier.connector.layout import KvGeometry, ModelIdentity
+    from kvtier.connector.lookup import RequestState, TierResolver
+    from kvtier.tiers import Tiers
+
+    adapters = {}
+    for name, seed in (("a", 1), ("b", 2), ("a-copy", 1)):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "adapter_config.json").write_text('{"r": 8}')
+        _safetensors(path / "adapter_model.safetensors", bytes([seed]) * 4096)
+        adapters[name] = path
+    geometry = KvGeometry(("l0",), 32, 1024, 64, "t")
+    identity = ModelIdentity("m", "", "float32", 1, 1, tp_size=1, pp_rank=0, pp_size=1)
+    tier = connect(store_config)
+    resolver = TierResolver(
+        ConnectorConfig(chunk_tokens=64), geometry, lambda: identity, Tiers(tier), lambda c, v: None
+    )
+
+    def namespace(lora_name: str, path: Path) -> bytes:
+        lora = LoRARequest(lora_name, 1, str(path))
+        request = Request("r", [1, 2, 3], SamplingParams(max_tokens=1), None, lora_request=lora)
+        return resolver.namespaces(RequestState.of(request, 0))[0]
+
+    try:
+        tuned = namespace("tuned", adapters["a"])
+        assert namespace("tuned", adapters["b"]) != tuned  # same name, other weights
+        assert namespace("other-name", adapters["a-copy"]) == tuned  # same weights
+        _safetensors(adapters["a"] / "adapter_model.safetensors", bytes([3]) * 4096)
+        assert namespace("tuned", adapters["a"]) != tuned  # rewritten under its name
+    finally:
+        tier.close()
+
+
 def test_weights_fingerprint_of_unreadable_model_is_empty_and_warned(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
