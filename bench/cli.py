@@ -61,7 +61,7 @@ def bench_keys(
     chunk_tokens: Annotated[int, typer.Option()] = 256,
     json_out: JsonOut = None,
 ) -> None:
-    """Chunk keys per second for a long prompt (XXH3-128 vs BLAKE3 vs SHA-256)."""
+    """Chunk keys per second for a long prompt (SHA-256, the spec, vs XXH3-128 vs BLAKE3)."""
     from kvtier.bench import keys
 
     report = keys.run(tokens, chunk_tokens)

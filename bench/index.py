@@ -156,7 +156,7 @@ def redis_floor(url: str, keys: list[bytes], n: int) -> dict[str, dict]:
 def keys_floor(tokens: np.ndarray, n: int) -> dict[str, dict]:
     root = NS.root_key()
     timed = _timed(lambda: chunk_keys(root, tokens, NS.chunk_tokens), n)
-    return {"floor: keying the prompt (XXH3-128)": _percentiles(timed)}
+    return {"floor: keying the prompt (SHA-256)": _percentiles(timed)}
 
 
 def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str]:

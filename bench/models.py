@@ -116,6 +116,52 @@ def make_tiny_llama(
     return out
 
 
+def make_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """A random DeepSeek-V2 geometry (MLA: one 64 + 32-wide latent per token and layer, two
+    layers, a dense first layer and a small MoE) that vLLM's CPU build runs. vLLM turns its
+    own prefix caching off for MLA on CPU (its cached-prefix path is not exact there)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    model = DeepseekV2ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.mul_(5.0)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    _tokenizer(512).save_pretrained(out)
+    return out
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What benchmarks need to size prompts and KV for a model directory (Llama-like config)."""

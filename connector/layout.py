@@ -163,6 +163,22 @@ def describe(
     return geometry, identity
 
 
+def prefix_reuse_refused(vllm_config: VllmConfig) -> str | None:
+    """Why this engine must serve no hits, or None. A hit is exact only where vLLM computes
+    exactly over a cached prefix; where vLLM turns its own prefix caching off for a model it
+    does not (MLA on CPU: vLLM disables it there, and with it forced on vLLM's own hits
+    differ from a recompute too). kvtier then neither loads nor saves for this engine."""
+    if vllm_config.cache_config.enable_prefix_caching:
+        return None
+    model = vllm_config.model_config
+    why = " (vLLM turns it off for MLA on this platform)" if model.use_mla else ""
+    return (
+        f"vLLM's own prefix caching is off for {model.model}{why}: a computation over a "
+        "cached prefix is not known to be exact here, so kvtier serves no hits and saves "
+        "nothing for this engine"
+    )
+
+
 def check_parallelism(parallel: Any) -> None:
     """Refuse layouts whose blocks do not hold ``block_size`` consecutive tokens of one rank's
     heads: context parallelism (DCP/PCP) spreads a block's tokens over ranks, so a chunk key

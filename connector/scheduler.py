@@ -70,8 +70,12 @@ class ConnectorScheduler:
         geometry: KvGeometry,
         identity: ModelIdentity,
         tiers: Tiers,
+        no_hits_reason: str | None = None,
     ) -> None:
+        """``no_hits_reason``: this engine cannot compute exactly over a cached prefix
+        (``layout.prefix_reuse_refused``): every lookup answers 0 and nothing is saved."""
         self.config = config
+        self.no_hits_reason = no_hits_reason
         self.geometry = geometry
         self.identity = identity
         self.tiers = tiers
@@ -152,6 +156,8 @@ class ConnectorScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, computed: int
     ) -> tuple[int | None, bool]:
+        if self.no_hits_reason:
+            return 0, False
         state = self._state(request)
         if not state.cacheable or state.no_external or request.skip_reading_prefix_cache:
             return 0, False
@@ -316,7 +322,8 @@ class ConnectorScheduler:
             for job in meta.loads:
                 self._check_dispatch(job)
             self._renew_loading()
-            if self.config.save != "none" and self.block_ids_of is not None:
+            saving = self.config.save != "none" and not self.no_hits_reason
+            if saving and self.block_ids_of is not None:
                 items = [
                     (state, computed, count)
                     for req_id, computed, count in scheduled

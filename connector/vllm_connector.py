@@ -28,7 +28,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector.config import parse_extra_config, with_engine_constraints
 from kvtier.connector.counters import C
 from kvtier.connector.guard import HookGuard
-from kvtier.connector.layout import describe
+from kvtier.connector.layout import describe, prefix_reuse_refused
 from kvtier.connector.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.connector.scheduler import ConnectorScheduler
 from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
@@ -109,7 +109,12 @@ class KvtierConnector(KVConnectorBase_V1):
             # lazy: an engine may start before its node store (misses until it is up)
             tiers = open_tiers(self.settings, lazy=True)
             self._announcer = self._announce(vllm_config, geometry, identity, tiers.pool)
-            self.scheduler = ConnectorScheduler(self.config, geometry, identity, tiers)
+            refused = prefix_reuse_refused(vllm_config)
+            if refused:
+                log.warning("kvtier: %s", refused)
+            self.scheduler = ConnectorScheduler(
+                self.config, geometry, identity, tiers, no_hits_reason=refused
+            )
             log.info(
                 "kvtier connector (scheduler): store %s, chunks of %d tokens = %d bytes",
                 self.settings.store.address or "embedded",

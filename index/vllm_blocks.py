@@ -38,12 +38,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import xxhash
-
 from kvtier.chunks import Tier
 from kvtier.index.api import ChunkOp
 from kvtier.index.vllm_wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvEvent
 from kvtier.keys import Namespace, salt_digest
+from kvtier.keys import key_digest as _digest
 from kvtier.store.api.events import EventKind
 
 MEDIA: dict[str | None, int] = {"GPU": 0, "CPU": 1, "STORAGE": 2, None: 0}
@@ -51,7 +50,6 @@ MEDIUM_TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
 _SHIFT = 20  # bits per medium in a block's packed presence counts
 _ONE = tuple(1 << (_SHIFT * m) for m in range(3))
 _COUNT = (1 << _SHIFT) - 1
-_digest = xxhash.xxh3_128_digest
 Keys = tuple[bytes, ...]  # one chunk's keys, one per namespace of the instance
 ChunkRef = tuple[Keys, BlockHash]  # a chunk and the block it ends in
 

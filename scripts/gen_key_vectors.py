@@ -1,7 +1,10 @@
-"""Write docs/keys/vectors.json: test vectors of the chunk-key spec (docs/keys/spec.md).
+"""Write docs/keys/vectors.json: test vectors of the chunk-key spec (docs/keys/spec.md, spec 3:
+keys are SHA-256 truncated to 16 bytes) and docs/keys/fingerprint-vectors.json.
 
 Run once when the spec changes (bumping its version); tests check the committed file against
-the implementation and against the C reference in docs/keys/reference.c.
+the implementation and against the C reference in docs/keys/reference.c. Two cases put a
+chain step's input (16 + 4 * chunk_tokens bytes) on SHA-256's padding edges, for
+implementations that write their own SHA-256.
 """
 
 import json
@@ -58,6 +61,20 @@ CASES = [
             model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=4
         ),
         [0, 4294967295, 65536, 255, 256, 1 << 31, 7, 4294967294],
+    ),
+    (
+        "56-byte chain inputs: SHA-256 length padding spills into a second block",
+        Namespace(
+            model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=10
+        ),
+        list(range(1000, 1025)),
+    ),
+    (
+        "64-byte chain inputs: exactly one SHA-256 block before padding",
+        Namespace(
+            model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=12
+        ),
+        lcg_tokens(36, seed=7, vocab=1 << 32),
     ),
     (
         "realistic namespace, 256-token chunks",

@@ -80,6 +80,8 @@ class EngineRig:
         failure_policy: str = "recompute",
         async_scheduling: bool = False,
         encoder_budget: int = 0,
+        prefix_caching: bool = True,
+        model: Path | None = None,
     ) -> None:
         """``encoder_budget``: encoder tokens per step, as a multimodal model would have (the
         tiny text model has none; the stand-in computes images' KV like any token's)."""
@@ -96,7 +98,7 @@ class EngineRig:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
-        model = make_tiny_llama(tmp_path / "model", num_layers=2)
+        model = model or make_tiny_llama(tmp_path / "model", num_layers=2)
         layers = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
         extra_config = {
             "chunk_tokens": chunk_tokens,
@@ -110,7 +112,7 @@ class EngineRig:
         max_len = 4096
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=max_len),
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
