@@ -39,6 +39,12 @@ class C:
         "lookups_pending", "Times vLLM was told to ask again while a lookup was in flight"
     )
     LOOKUP_ERRORS = Counter("lookup_errors", "Lookups that failed (treated as misses)")
+    LOOKUPS_SHED = Counter(
+        "lookups_shed", "Requests answered 'no hit' because max_pending_lookups were in flight"
+    )
+    LOOKUP_WAIT_SECONDS = Counter(
+        "lookup_wait_seconds", "Seconds the scheduler thread waited for lookups", internal=True
+    )
     LOOKUP_DEADLINE_MISSES = Counter(
         "lookup_deadline_misses", "Lookups past lookup_deadline_ms, answered as misses"
     )

@@ -14,16 +14,18 @@ Per request:
 Every hook that acts on a request first follows its inputs (``RequestState.refresh``): a
 streaming-input session changes them between steps without a new lookup.
 
-Nothing here waits on the network for longer than a small budget: store calls run on the
-``kvtier-lookup`` / ``kvtier-alloc`` / ``kvtier-ops`` threads (inline for an embedded store,
-which answers in microseconds). Per-step work is proportional to the requests scheduled and
-the chunks they touch, never to what the pool holds.
+Nothing here waits on the network for longer than a small budget per step (``lookup_wait_ms``
+is shared by every request looked up in a step; at most ``max_pending_lookups`` are in
+flight): store calls run on the ``kvtier-lookup`` / ``kvtier-alloc`` / ``kvtier-ops`` threads
+(inline for an embedded store, which answers in microseconds). Per-step work is proportional
+to the requests scheduled and the chunks they touch, never to what the pool holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -109,6 +111,10 @@ class ConnectorScheduler:
             self.resolver.namespaces,
         )
         self._requests: dict[str, RequestState] = {}
+        # what is left of this step's lookup wait (reset by build_meta, which ends a step)
+        self._wait_left = config.lookup_wait_ms / 1e3
+        self._in_flight = 0  # lookups submitted and not done (done callbacks: any thread)
+        self._in_flight_lock = threading.Lock()
         self._pending_loads: list[LoadJob] = []
         self.hit_sources: dict[str, dict[str, int]] = {}  # req -> tier -> tokens (last plan)
         # req id -> its block ids (vLLM's KV cache manager; bound once the scheduler exists)
@@ -171,11 +177,16 @@ class ConnectorScheduler:
             if state.lookup is None or state.lookup_for != computed:
                 self._drop_outcome(state)
                 self._supersede_lookup(state)
+                if not self._admit_lookup():
+                    self._count(C.LOOKUPS_SHED)
+                    return 0, False
                 state.lookup_for = computed
                 state.lookup_deadline = time.monotonic() + self.config.lookup_deadline_ms / 1e3
                 state.lookup = self._lookups.submit(self.resolver.resolve, state, computed)
+                state.lookup.add_done_callback(self._lookup_done)
+            waited_from = time.monotonic()
             try:
-                state.outcome = state.lookup.result(timeout=self.config.lookup_wait_ms / 1e3)
+                state.outcome = state.lookup.result(timeout=max(0.0, self._wait_left))
             except FutureTimeout:
                 if time.monotonic() < state.lookup_deadline:
                     self._count(C.LOOKUPS_PENDING)
@@ -191,9 +202,24 @@ class ConnectorScheduler:
                 log.warning("kvtier lookup failed for %s: %r", request.request_id, exc)
                 self._count(C.LOOKUP_ERRORS)
                 state.outcome = LookupOutcome(computed, computed // self.geometry.chunk_tokens)
+            finally:
+                waited = time.monotonic() - waited_from
+                self._wait_left -= waited
+                self._count(C.LOOKUP_WAIT_SECONDS, waited)
             state.lookup = None
         tokens = state.outcome.tokens
         return tokens, tokens > 0 and self.config.load_mode == "async"
+
+    def _admit_lookup(self) -> bool:
+        with self._in_flight_lock:
+            if self._in_flight >= self.config.max_pending_lookups:
+                return False
+            self._in_flight += 1
+            return True
+
+    def _lookup_done(self, _: Future[LookupOutcome]) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= 1
 
     def _supersede_lookup(self, state: RequestState) -> None:
         """Forget the lookup in flight; whatever it leases is released when it completes."""
@@ -316,6 +342,7 @@ class ConnectorScheduler:
         self, scheduled: list[tuple[str, int, int]], preempted: set[str] | None = None
     ) -> KvtierMetadata:
         """``scheduled``: (req id, computed tokens before the step, tokens this step)."""
+        self._wait_left = self.config.lookup_wait_ms / 1e3  # the next step's lookups
         meta = KvtierMetadata(loads=self._pending_loads)
         self._pending_loads = []
         try:

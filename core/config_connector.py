@@ -62,7 +62,16 @@ class ConnectorConfig(Section):
         "is cheaper than the load's fixed cost",
     )
     lookup_wait_ms: float = Field(
-        5.0, ge=0, description="wait this long for a store lookup before telling vLLM 'ask again'"
+        5.0,
+        ge=0,
+        description="per engine step, wait at most this long in total for store lookups "
+        "before telling vLLM 'ask again' (one budget shared by every waiting request)",
+    )
+    max_pending_lookups: int = Field(
+        64,
+        ge=1,
+        description="lookups in flight at most; a request arriving past it is a miss "
+        "(recomputed) instead of queueing behind a slow store",
     )
     lookup_deadline_ms: float = Field(
         5000.0,
