@@ -14,6 +14,7 @@ chunks only if their pages are byte-compatible.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.fingerprint import model_config_fingerprint, weights_fingerprint
@@ -135,9 +136,13 @@ def describe(
     platform = current_platform.device_type
     layout = kv_cache_config.kv_cache_layout or "default"
     isa = _cpu_attention_isa(spec, cache.cache_dtype) if platform == "cpu" else ""
+    # Page interiors and numerics also differ between vLLM versions, attention backends and
+    # GPU architectures: "auto" picks a backend from exactly those (and the model's shape).
     kv_layout = (
-        f"kvtier-pages-v1;vllm;{platform};{layout};{isa};"
-        f"bs{block_size};page{spec.page_size_bytes};kvdtype={cache.cache_dtype}"
+        f"kvtier-pages-v2;vllm;{platform};{layout};{isa};"
+        f"bs{block_size};page{spec.page_size_bytes};kvdtype={cache.cache_dtype};"
+        f"vllm={_vllm_version()};attn={_attention_backend(vllm_config)};"
+        f"arch={_device_arch(current_platform)}"
     )
     geometry = KvGeometry(
         layer_names=tuple(groups[0].layer_names),
@@ -197,10 +202,54 @@ def check_parallelism(parallel: Any) -> None:
 
 
 def _cpu_attention_isa(spec: Any, cache_dtype: str) -> str:
-    """The CPU attention kernel family decides the page interior (AMX packs differently)."""
+    """The CPU attention kernel family decides the page interior (AMX packs differently).
+    Unknown: named by this CPU's model and flags, so unknown ISAs never share one name."""
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype)
     except Exception:
-        return "isa-unknown"
+        return f"isa-unknown-{_cpu_identity()}"
+
+
+def _cpu_identity() -> str:
+    """16 hex digits over the CPU's model name and feature flags (what decides its kernels)."""
+    import hashlib
+
+    wanted = ("model name", "flags", "features", "cpu part", "isa")
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        lines = [platform.processor(), platform.machine()]
+    seen = sorted({ln.strip() for ln in lines if ln.split(":")[0].strip().lower() in wanted})
+    return hashlib.sha256("\n".join(seen).encode()).hexdigest()[:16]
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:
+        return "unknown"
+
+
+def _attention_backend(vllm_config: Any) -> str:
+    """The backend the operator chose, or "auto" (chosen from what the namespace already
+    holds: vLLM version, device architecture, model shape and dtypes)."""
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None) if attention is not None else None
+    return str(getattr(backend, "name", backend) or "auto")
+
+
+def _device_arch(platform: Any) -> str:
+    """A GPU's compute capability (e.g. sm90), '' where there is none (CPU)."""
+    try:
+        capability = platform.get_device_capability()
+    except Exception:
+        return "unknown"
+    if capability is None:
+        return ""
+    return f"sm{capability.major}{capability.minor}"

@@ -262,13 +262,7 @@ class TierResolver:
             result = self.pool.lookup(ns_id, keys[rank], self.config.lease_ttl_s)
             if result.lease_id:
                 outcome.lease_ids.append(result.lease_id)
-            hits = result.hits
-            if self.config.verify_loads:
-                # A chunk whose checksum the store has not computed yet (it does so right
-                # after the commit, off the writer's path) cannot be verified: the run ends
-                # before it, so every chunk loaded is checked.
-                hits = hits[: next((i for i, h in enumerate(hits) if not h.checksum), len(hits))]
-            outcome.hits[rank] = hits
+            outcome.hits[rank] = self._verifiable(result.hits)
             outcome.epochs[rank] = result.epoch
         return min(len(h) for h in outcome.hits.values())
 
@@ -300,10 +294,19 @@ class TierResolver:
                 outcome.lease_ids.append(result.lease_id)
             if run and outcome.epochs.get(rank, result.epoch) != result.epoch:
                 return 0  # the store restarted between the two lookups: keep the first run
-            outcome.hits[rank] = outcome.hits.get(rank, [])[:run] + result.hits
+            hits = self._verifiable(result.hits)
+            outcome.hits[rank] = outcome.hits.get(rank, [])[:run] + hits
             outcome.epochs[rank] = result.epoch
-            n = min(n, len(result.hits))  # evicted here already: keep what is leased
+            n = min(n, len(hits))  # evicted already, or unverifiable: keep what is leased
         return n
+
+    def _verifiable(self, hits: list[ChunkLocation]) -> list[ChunkLocation]:
+        """With ``verify_loads``, the run ends before the first chunk whose checksum the
+        store has not computed yet (it does so right after a commit, off the writer's path):
+        every chunk loaded is checked, whichever tier brought it into the pool."""
+        if not self.config.verify_loads:
+            return hits
+        return hits[: next((i for i, h in enumerate(hits) if not h.checksum), len(hits))]
 
     # -- leases ------------------------------------------------------------------------------
 

@@ -230,3 +230,52 @@ def test_hook_errors_are_logged_once_per_cause(caplog: pytest.LogCaptureFixture)
         guard.record("get_num_new_matched_tokens", KeyError("x"))
     assert guard.errors == 6
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 2
+
+
+def test_namespace_names_vllm_version_attention_backend_and_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Page interiors and numerics differ between vLLM versions, attention backends, GPU
+    architectures and CPU kernel families: each is part of the namespace, and CPUs whose
+    kernel family vLLM cannot name do not all share one name."""
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvtier.bench.models import make_tiny_llama
+    from kvtier.connector import layout
+
+    model = make_tiny_llama(tmp_path / "model")
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="float32"),
+        cache_config=CacheConfig(block_size=32),
+    )
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(1, [], [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+
+    def namespace() -> bytes:
+        geometry, identity = layout.describe(config, kv, 64, fingerprint=False)
+        assert "vllm=" in geometry.kv_layout and ";attn=" in geometry.kv_layout
+        return identity.namespace(geometry, 0).root_key()
+
+    base = namespace()
+    monkeypatch.setattr(layout, "_vllm_version", lambda: "0.33.0")
+    assert namespace() != base
+    monkeypatch.undo()
+    monkeypatch.setattr(layout, "_attention_backend", lambda c: "FLEX_ATTENTION")
+    assert namespace() != base
+    monkeypatch.undo()
+    monkeypatch.setattr(layout, "_device_arch", lambda p: "sm90")
+    assert namespace() != base
+    monkeypatch.undo()
+    assert namespace() == base
+
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    def unknown(*args: object) -> str:
+        raise RuntimeError("no kernel family")
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", unknown)
+    unknown_here = namespace()
+    monkeypatch.setattr(layout, "_cpu_identity", lambda: "0123456789abcdef")
+    assert len({base, unknown_here, namespace()}) == 3
