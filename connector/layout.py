@@ -130,6 +130,13 @@ def describe(
     if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
         raise UnsupportedModel(f"kvtier supports full attention only, not {type(spec).__name__}")
     block_size = spec.block_size
+    if chunk_tokens % block_size:
+        # vLLM may size blocks other than cache_config.block_size (MLA kernels, hybrid
+        # models): a chunk must be whole blocks of the cache actually allocated
+        raise UnsupportedModel(
+            f"chunk_tokens = {chunk_tokens} is not a multiple of this model's KV block size "
+            f"({block_size} tokens): set chunk_tokens to a multiple of {block_size}"
+        )
     cache = vllm_config.cache_config
     model = vllm_config.model_config
     dtype = str(spec.dtype).removeprefix("torch.")

@@ -204,7 +204,7 @@ class SavePlanner:
                 ids = alloc.block_ids[i * bpc : (i + 1) * bpc]
                 copies.append(ChunkCopy(loc.extents, 0, 0, ids, loc.key))
             if result.lease_id and (segment is None or not copies):
-                self._quiet_abort(result.lease_id)
+                self._ops.submit(self._quiet_abort, result.lease_id)  # never on this thread
                 continue
             if copies and segment is not None:
                 chunks[rank], segments[rank] = copies, segment

@@ -279,3 +279,25 @@ def test_namespace_names_vllm_version_attention_backend_and_device(
     unknown_here = namespace()
     monkeypatch.setattr(layout, "_cpu_identity", lambda: "0123456789abcdef")
     assert len({base, unknown_here, namespace()}) == 3
+
+
+def test_chunk_tokens_must_be_whole_blocks_of_the_cache_vllm_allocated(tmp_path: Path) -> None:
+    """vLLM may allocate blocks other than cache_config.block_size (MLA kernels, hybrid
+    models): the check is against the KV cache spec, at start-up, with what to set."""
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvtier.bench.models import make_tiny_llama
+    from kvtier.connector.layout import UnsupportedModel, describe
+
+    model = make_tiny_llama(tmp_path / "model")
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="float32"),
+        cache_config=CacheConfig(block_size=32),
+    )
+    spec = FullAttentionSpec(block_size=96, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(1, [], [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    with pytest.raises(UnsupportedModel, match="multiple of 96"):
+        describe(config, kv, 64, fingerprint=False)
+    describe(config, kv, 192, fingerprint=False)

@@ -58,7 +58,8 @@ class CpuTier(PoolBytes):
     ) -> None:
         """``segment``: the store's own mapping when embedded; otherwise attached by name."""
         self.store = store
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the maps below; never held across a store call
+        self._reattach_lock = threading.Lock()  # one reattach at a time
         self._segments: OrderedDict[int, SegmentRef] = OrderedDict()
         self._info: StoreInfo | None = None
         try:
@@ -196,14 +197,19 @@ class CpuTier(PoolBytes):
             return call()
 
     def reattach(self) -> StoreInfo:
-        """Adopt the store's current incarnation and re-register the namespaces it lost."""
-        with self._lock:
+        """Adopt the store's current incarnation and re-register the namespaces it lost.
+
+        The store call (it may wait out a restarting store) holds only ``_reattach_lock``,
+        never ``_lock``: the scheduler thread takes ``_lock`` (``segment_ref``) every step and
+        must not wait behind the network."""
+        with self._reattach_lock:
             info = self.store.reattach()
-            if self._info is not None and info.epoch == self._info.epoch:
-                return info
-            old, self._segment = self._segment, None  # the new one maps on first use
-            self._attach(info)
-            namespaces = list(self._namespaces.values())
+            with self._lock:
+                if self._info is not None and info.epoch == self._info.epoch:
+                    return info
+                old, self._segment = self._segment, None  # the new one maps on first use
+                self._attach(info)
+                namespaces = list(self._namespaces.values())
             if self._owns_segment and old is not None:
                 old.close()
         for namespace, chunk_bytes in namespaces:
