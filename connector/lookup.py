@@ -74,6 +74,7 @@ class LookupOutcome:
     consumed: bool = False  # turned into a LoadJob
     released: bool = False
     lease_lost: bool = False  # a renewal found a lease gone: never load from it
+    session_generation: int = 0  # the store session the leases were taken under
 
 
 @dataclass
@@ -205,7 +206,7 @@ class TierResolver:
         request = state.request
         first = computed // geo.chunk_tokens
         total_chunks = request.num_tokens // geo.chunk_tokens
-        outcome = LookupOutcome(computed, first)
+        outcome = LookupOutcome(computed, first, session_generation=self.pool.session_generation)
         if total_chunks <= first:
             return outcome
         ns_ids = self.namespaces(state)

@@ -53,6 +53,7 @@ class Allocation:
     prefix_blocks: frozenset[int]  # every block the chunks' KV was computed over
     future: Future[dict[int, AllocateResult]]
     deadline: float
+    session_generation: int  # the store session its write leases belong to
     dropped: bool = False
 
 
@@ -160,6 +161,7 @@ class SavePlanner:
             frozenset(blocks[: end * bpc]),
             future,
             time.monotonic() + self.config.save_defer_s,
+            self.tier.session_generation,
         )
         self._waiting.append(alloc)
         return alloc
@@ -187,6 +189,14 @@ class SavePlanner:
         except Exception as exc:
             log.warning("kvtier: no pool space for %s: %s", alloc.state.request.request_id, exc)
             self._count(C.SAVE_ERRORS, 1)
+            return None
+        if alloc.session_generation != self.tier.session_generation:
+            # the store ended the session: its write leases are gone and their pages held
+            # back (quarantined) by the store; never copy into them
+            self._count(C.SAVE_ERRORS, 1)
+            for result in results.values():
+                if result.lease_id:
+                    self._ops.submit(self._quiet_abort, result.lease_id)
             return None
         geo = self.geometry
         bpc = geo.blocks_per_chunk

@@ -372,7 +372,12 @@ class ConnectorScheduler:
         if job.failed or loading is None or loading[0] is not job:
             return
         outcome = loading[1]
-        if outcome.lease_lost or self._remaining(outcome) < self.config.lease_ttl_s / 4:
+        if outcome.session_generation != self.pool.session_generation:
+            # the store ended the session (no heartbeat got through: a frozen store, a starved
+            # thread): every lease of it ended at once, whatever its TTL said
+            self._count(C.LEASE_LAPSED_LOADS)
+            job.failed = "the store ended the session its leases belonged to"
+        elif outcome.lease_lost or self._remaining(outcome) < self.config.lease_ttl_s / 4:
             self._count(C.LEASE_LAPSED_LOADS)
             job.failed = "its lease lapsed (or was about to) before the copy"
 

@@ -89,6 +89,13 @@ class CpuTier(PoolBytes):
         self._info = info
         self._remember_segment(info)
 
+    @property
+    def session_generation(self) -> int:
+        """Moves whenever the store ended this client's session (its leases with it): a lease
+        taken at another generation may be gone. Constant for an embedded store (no
+        sessions: its leases end by TTL only, which the connector tracks itself)."""
+        return int(getattr(self.store, "sessions_ended", 0))
+
     def segment_ref(self, epoch: int) -> SegmentRef | None:
         """The pool segment of store incarnation ``epoch`` (None: not one seen lately)."""
         with self._lock:

@@ -63,6 +63,9 @@ class GrpcStoreClient(StoreClient):
         self._stub = store_pb2_grpc.StoreStub(self._channel)
         self._info: StoreInfo | None = None
         self._session = 0  # this client's own session; 0 = none open yet
+        # How many of this client's sessions ended at the store (timed out, store restarted):
+        # a lease taken before the count moved may be gone, whatever its TTL says.
+        self.sessions_ended = 0
         self._session_timeout_s = 0.0
         self._sessions_supported = True
         self._session_lock = threading.Lock()
@@ -285,6 +288,7 @@ class GrpcStoreClient(StoreClient):
         with self._session_lock:
             if session and self._session == session:
                 self._session = 0
+                self.sessions_ended += 1
 
     def _heartbeat_once(self) -> float:
         """Heartbeat the client's session; returns how long to wait before the next one."""
