@@ -20,6 +20,13 @@ COMMITTED (readable). Rules enforced here:
 - Pages a failed remote transfer was writing are quarantined (``abort(..., quarantine_s=)``):
   out of the table at once, but not handed out again until the quarantine ends, because the
   transfer engine may still deliver late bytes into them.
+- Namespaces are bounded (``max_namespaces``) but not forever: one that holds no chunk (none
+  committed, being written or pinned) and that nobody registered, looked up, allocated into
+  or deleted from for ``namespace_idle_s`` is retired, by the periodic ``reap`` and, least
+  recently used first, by a registration that would exceed the bound. Its id then answers
+  UNKNOWN_NAMESPACE, as after a restart, and its clients register it again. A namespace with
+  chunks is never retired. A cache reset (``on_reset: bump``) starts a new generation of an
+  instance's namespaces; the old generation goes this way once its chunks are evicted.
 
 Threading: every public method takes the store's lock; call from any thread.
 """
@@ -51,8 +58,10 @@ class StoreCore(StoreState):
 
     def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
         """Declare a namespace and the size of its chunks; returns its id (the root key).
-        Re-registering a known namespace always works; past ``max_namespaces`` a new one is
-        refused (LIMIT_EXCEEDED): each costs the store memory and a tenant entry."""
+        Re-registering a known namespace always works; past ``max_namespaces`` a new one
+        first retires the least recently used namespace that is empty and idle (see the
+        module's docstring), and is refused (LIMIT_EXCEEDED) if none is: each costs the store
+        memory and a tenant entry."""
         if chunk_bytes <= 0:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "chunk_bytes must be positive")
         ns_id = namespace.root_key()
@@ -69,17 +78,27 @@ class StoreCore(StoreState):
                     ErrorCode.WRONG_SIZE,
                     f"a {chunk_bytes}-byte chunk cannot fit a {self.capacity_bytes}-byte pool",
                 )
+            now = self._clock()
             if known is None and len(self._namespaces) >= self.limits.max_namespaces:
-                raise KvtierError(
-                    ErrorCode.LIMIT_EXCEEDED,
-                    f"{len(self._namespaces)} namespaces registered: store.max_namespaces = "
-                    f"{self.limits.max_namespaces}",
-                )
-            tenant = known.tenant if known else self._tenants.tenant(namespace.cache_salt)
-            self._namespaces[ns_id] = NamespaceInfo(ns_id, chunk_bytes, namespace, tenant)
+                self._reap(now)  # expired write leases hold chunks of no namespace any more
+                need = len(self._namespaces) - self.limits.max_namespaces + 1
+                if self._retire_idle_namespaces(now, need) < need:
+                    raise KvtierError(
+                        ErrorCode.LIMIT_EXCEEDED,
+                        f"{len(self._namespaces)} namespaces registered, none both empty and "
+                        f"unused for {self.limits.namespace_idle_s} s: store.max_namespaces = "
+                        f"{self.limits.max_namespaces}",
+                    )
+            if known is None:
+                tenant = self._tenants.tenant(namespace.cache_salt)
+                tenant.namespaces += 1
+                self._namespaces[ns_id] = NamespaceInfo(ns_id, chunk_bytes, namespace, tenant)
+            self._use_namespace(ns_id, now)
         return ns_id
 
     def namespace(self, ns_id: bytes) -> NamespaceInfo:
+        """What ``ns_id`` was registered with (UNKNOWN_NAMESPACE: never, or retired). A read
+        only: not counted as a use."""
         info = self._namespaces.get(ns_id)
         if info is None:
             raise KvtierError(
@@ -103,8 +122,8 @@ class StoreCore(StoreState):
         self.limits.check_batch(len(keys))
         check_keys(keys)
         with self._lock:
-            self.namespace(ns_id)
             now = self._clock()
+            self._use_namespace(ns_id, now)
             self._reap(now)
             if lease_ttl_s is not None:
                 self._check_session(session)
@@ -136,11 +155,12 @@ class StoreCore(StoreState):
             return LookupResult([self._book.location(e) for e in hits], stop, lease_id, self.epoch)
 
     def committed_mask(self, ns_id: bytes, keys: Sequence[bytes]) -> list[bool]:
-        """Per key: committed here now. No side effects (no lease, no use counted)."""
+        """Per key: committed here now. No side effects on chunks (no lease, no use counted);
+        the namespace counts as used."""
         self.limits.check_batch(len(keys))
         check_keys(keys)
         with self._lock:
-            self.namespace(ns_id)
+            self._use_namespace(ns_id, self._clock())
             out = []
             for key in keys:
                 entry = self._table.get(key)
@@ -250,7 +270,8 @@ class StoreCore(StoreState):
         if len(set(keys)) != len(keys):
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "duplicate keys in one allocation")
         with self._lock:
-            info = self.namespace(ns_id)
+            now = self._clock()
+            info = self._use_namespace(ns_id, now)
             for key, size in zip(keys, sizes, strict=True):
                 if size != info.chunk_bytes:
                     raise KvtierError(
@@ -258,7 +279,6 @@ class StoreCore(StoreState):
                         f"chunk {key.hex()} is {size} bytes; namespace {ns_id.hex()} "
                         f"stores {info.chunk_bytes}-byte chunks",
                     )
-            now = self._clock()
             self._reap(now)  # first: chunks of expired write leases are fresh again
             fresh = 0
             for key in keys:
@@ -389,7 +409,7 @@ class StoreCore(StoreState):
         self.limits.check_batch(len(keys))
         check_keys(keys)
         with self._lock:
-            self.namespace(ns_id)
+            self._use_namespace(ns_id, self._clock())
             removed: list[ChunkEntry] = []
             for key in keys:
                 entry = self._table.get(key)
@@ -478,9 +498,12 @@ class StoreCore(StoreState):
     # -- housekeeping ------------------------------------------------------------------------
 
     def reap(self) -> None:
-        """Expire leases now (the service also calls this from a timer)."""
+        """Expire leases and sessions, and retire idle empty namespaces, now (the service
+        also calls this from a timer)."""
         with self._lock:
-            self._reap(self._clock())
+            now = self._clock()
+            self._reap(now)
+            self._retire_idle_namespaces(now)
 
     def snapshot(self) -> Snapshot:
         with self._lock:

@@ -3,8 +3,9 @@
 ``StoreState`` owns the store's state (the page book with its chunk table and tenants, the
 namespaces, the leases and sessions, the event log, the counters) and the steps every
 operation reuses: reaping expired leases and sessions, ending a lease, checking ownership and
-TTLs. ``StoreCore`` (``kvtier.store.core``) is the API on top: every public method there takes
-the lock, then calls these. Split only to keep each file readable; one class in spirit.
+TTLs, noting when each namespace was last used and retiring the idle empty ones.
+``StoreCore`` (``kvtier.store.core``) is the API on top: every public method there takes the
+lock, then calls these. Split only to keep each file readable; one class in spirit.
 
 Threading: nothing here takes the lock except ``stats`` and ``check_invariants``; the rest
 runs under the caller's.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 from kvtier.errors import ErrorCode, KvtierError
@@ -66,6 +67,9 @@ class StoreState:
         self._pages = self._book.pages
         self._alloc = self._book.alloc
         self._namespaces: dict[bytes, NamespaceInfo] = {}
+        # namespace id -> when it was last registered, looked up, allocated into (...), least
+        # recently used first: where retirement looks (``_retire_idle_namespaces``)
+        self._ns_used: OrderedDict[bytes, float] = OrderedDict()
         self._leases = LeaseTable()
         self._sessions = SessionTable(limits.session_timeout_s, limits.max_sessions)
         self._unsummed: deque[ChunkEntry] = deque()  # committed without a checksum
@@ -124,8 +128,54 @@ class StoreState:
                 held = sum(e.pages for e in self._table.values() if e.tenant is tenant)
                 assert held == tenant.held - _doomed_writing(self._leases, tenant), tenant
                 assert tenant.quota is None or tenant.held <= tenant.quota, tenant
+                assert tenant.namespaces == sum(
+                    1 for i in self._namespaces.values() if i.tenant is tenant
+                ), tenant
+            # A namespace is retired only once nothing of it is left: every chunk's is known.
+            assert self._ns_used.keys() == self._namespaces.keys()
+            in_table: dict[bytes, int] = {}
+            for entry in self._table.values():
+                in_table[entry.namespace] = in_table.get(entry.namespace, 0) + 1
+            live = self._book.live
+            assert all(live.get(ns, 0) >= n for ns, n in in_table.items()), (in_table, live)
+            assert all(n > 0 and ns in self._namespaces for ns, n in live.items()), live
+            for lease in self._leases.all():
+                assert all(e.namespace in live for e in lease.entries), lease.id
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _use_namespace(self, ns_id: bytes, now: float) -> NamespaceInfo:
+        """The namespace ``ns_id`` (UNKNOWN_NAMESPACE if not registered, or retired), marked
+        used ``now``: not retired for ``namespace_idle_s`` from now."""
+        info = self._namespaces.get(ns_id)
+        if info is None:
+            raise KvtierError(
+                ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns_id.hex()} is not registered"
+            )
+        self._ns_used[ns_id] = now
+        self._ns_used.move_to_end(ns_id)
+        return info
+
+    def _retire_idle_namespaces(self, now: float, limit: int | None = None) -> int:
+        """Forget namespaces unused for ``namespace_idle_s`` that have no chunk left (none
+        stored, being written, or pinned: ``PageBook.live``), least recently used first, at
+        most ``limit``. Returns how many. A client still holding a retired id is answered
+        UNKNOWN_NAMESPACE, as after a restart, and registers it again."""
+        cutoff = now - self.limits.namespace_idle_s
+        live = self._book.live
+        retired: list[bytes] = []
+        for ns_id, used in self._ns_used.items():
+            if used > cutoff or (limit is not None and len(retired) >= limit):
+                break  # the rest were used more recently
+            if ns_id not in live:
+                retired.append(ns_id)
+        for ns_id in retired:
+            del self._ns_used[ns_id]
+            info = self._namespaces.pop(ns_id)
+            info.tenant.namespaces -= 1
+            self._tenants.forget(info.namespace.cache_salt)
+        self.counters["namespaces_retired"] += len(retired)
+        return len(retired)
 
     def _reap(self, now: float) -> None:
         self._book.release_quarantine(now)

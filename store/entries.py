@@ -36,6 +36,7 @@ COUNTERS = (
     "sessions_expired",  # no heartbeat for store.session_timeout_s: the client is gone
     "session_released_read",  # read leases ended with their session
     "session_released_write",  # write leases aborted with their session
+    "namespaces_retired",  # empty and unused for namespace_idle_s: forgotten (see StoreCore)
 )
 
 

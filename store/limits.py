@@ -4,7 +4,8 @@ Why: the store serialises its state machine under one lock, and its pool is shar
 engine (and tenant) on the node. Unbounded, one allocate of two million keys held the lock
 for seconds and evicted the whole pool; one client could register namespaces or open
 sessions until the store ran out of memory; one tenant could flush every other tenant's
-cache. Each bound here is a ``StoreConfig`` field (see its description); ``StoreLimits``
+cache. Each bound here is a ``StoreConfig`` field (see its description), except
+``namespace_idle_s`` (not configurable yet: the default below always applies); ``StoreLimits``
 carries them into ``StoreCore``, whose defaults keep the state machine unbounded where a
 bound would change its semantics (a unit test, the trace simulator), and the served store
 always passes the configured ones.
@@ -25,6 +26,11 @@ class StoreLimits:
     max_batch_keys: int = 16384  # keys (or lease ids) in one call; checked before the lock
     max_batch_fraction: float = 1.0  # 1.0: an allocate may ask for the whole pool
     max_namespaces: int = 4096
+    # An empty namespace (no chunk stored, being written or pinned) unused this long is retired
+    # (``StoreCore.reap``, or a registration past max_namespaces): namespaces multiply (salts x
+    # TP ranks x LoRA adapters x cache-reset generations) and would otherwise fill the store.
+    # Long against a client's gaps between calls, which re-registers a retired one anyway.
+    namespace_idle_s: float = 600.0
     max_sessions: int = 65536
     max_lease_lifetime_s: float = 600.0  # a lease's whole life, renewals included
     session_timeout_s: float = 5.0  # a session without a heartbeat this long ends

@@ -198,6 +198,7 @@ _COUNTERS = {
     "sessions_expired": "Client sessions ended for want of a heartbeat (the client died)",
     "session_released_read": "Read leases ended with their session (chunks unpinned)",
     "session_released_write": "Write leases ended with their session (allocations aborted)",
+    "namespaces_retired": "Namespaces forgotten: no chunks left and unused for a while",
 }
 # Per tenant, by name (unlisted tenants summed as "other"; never a salt or its digest).
 _TENANT_GAUGES = {

@@ -20,7 +20,8 @@ file naming ``/dev/shm/victim`` or ``../x`` is logged and ignored.
 
 Sessions: clients may open sessions (``open_session``) and create leases under them; the
 reaper thread ends a session without heartbeat for ``store.session_timeout_s`` together with
-its leases (``kvtier.store.sessions``).
+its leases (``kvtier.store.sessions``). It also retires namespaces left empty and unused
+(``kvtier.store.core``), so that the count of namespaces stays low.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 counts by state, in total and per tenant (``kvtier.store.quotas``); ``StoreCore`` (leases,
 namespaces, events, the API) drives it. The counts always add up
 (``StoreCore.check_invariants``): committed + writing + doomed (unlinked, still pinned) +
-quarantined (a failed transfer may still write them) = pages in use.
+quarantined (a failed transfer may still write them) = pages in use. Per namespace it counts
+the chunks not yet freed (``live``): in the table, or out of it but still pinned or being
+written; the store retires only a namespace with none.
 
 Eviction takes what the policy ranks coldest among chunks that are neither pinned nor being
 written, and never a chunk whose tenant would drop below its floor for another tenant's
@@ -40,6 +42,8 @@ class PageBook:
         self.policy = make_policy(eviction, num_pages)
         self.tenants = tenants or TenantBook(page_size, num_pages)
         self.table: dict[bytes, ChunkEntry] = {}
+        # namespace id -> its chunks whose pages are not freed yet (absent: none)
+        self.live: dict[bytes, int] = {}
         self.pages = {"committed": 0, "pinned": 0, "writing": 0, "doomed": 0, "quarantined": 0}
         # (release time, tie-breaker, runs): pages held back from reuse until release time.
         self.quarantine: list[tuple[float, int, list[PageRun]]] = []
@@ -137,6 +141,7 @@ class PageBook:
     def add_writing(self, entry: ChunkEntry) -> None:
         """A chunk just allocated (WRITING, owned by a write lease) enters the table."""
         self.table[entry.key] = entry
+        self.live[entry.namespace] = self.live.get(entry.namespace, 0) + 1
         self.pages["writing"] += entry.pages
         entry.tenant.writing += entry.pages
 
@@ -203,10 +208,20 @@ class PageBook:
                 heapq.heappush(self.quarantine, (quarantine_until, self.quarantine_seq, entry.runs))
                 entry.runs = []
                 self.counters["quarantined"] += 1
+                self._gone(entry)  # its pages are the quarantine's now, not its namespace's
 
     def free(self, entry: ChunkEntry) -> None:
+        """Give back the pages of an entry nothing references any more (once per entry)."""
         self.alloc.free(entry.runs)
         entry.runs = []
+        self._gone(entry)
+
+    def _gone(self, entry: ChunkEntry) -> None:
+        left = self.live[entry.namespace] - 1
+        if left:
+            self.live[entry.namespace] = left
+        else:
+            del self.live[entry.namespace]
 
     def location(self, entry: ChunkEntry) -> ChunkLocation:
         extents = []

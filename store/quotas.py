@@ -44,6 +44,7 @@ class Tenant:
     writing: int = 0
     committed: int = 0
     pinned: int = 0  # committed pages under a read lease
+    namespaces: int = 0  # registered namespaces of this tenant (the store keeps the count)
 
     @property
     def held(self) -> int:
@@ -99,16 +100,26 @@ class TenantBook:
             )
         # Only tenants with a floor constrain eviction; most stores have none.
         self.floored = [t for t in self.named if t.floor > 0]
-        self._others: list[Tenant] = []
+        self._others: dict[str, Tenant] = {}  # digest -> tenant of an unlisted salt
 
     def tenant(self, digest: str) -> Tenant:
         """The tenant of a namespace whose ``cache_salt`` is ``digest`` (made on first use;
-        the store bounds how many exist through ``store.max_namespaces``)."""
+        the store bounds how many exist through ``store.max_namespaces``, and ``forget``s an
+        unlisted one with its last namespace)."""
         tenant = self._by_digest.get(digest)
         if tenant is None:
             tenant = self._by_digest[digest] = Tenant(OTHER, self._default_quota, 0)
-            self._others.append(tenant)
+            self._others[digest] = tenant
         return tenant
+
+    def forget(self, digest: str) -> None:
+        """Drop the tenant of an unlisted salt ``digest`` if it has no namespace left and
+        holds nothing (the store retired its last namespace); ``tenant`` makes it again on
+        next use. Named tenants are configuration: always kept."""
+        tenant = self._others.get(digest)
+        if tenant is not None and not (tenant.namespaces or tenant.held or tenant.pinned):
+            del self._others[digest]
+            del self._by_digest[digest]
 
     def evictable_for(self, requester: Tenant, unpinned_pages: int) -> int:
         """Pages ``requester``'s allocation may evict, of the ``unpinned_pages`` committed and
@@ -134,12 +145,12 @@ class TenantBook:
             if tenant.quota is not None:
                 out[f"tenant_quota_bytes.{tenant.name}"] = tenant.quota * self.page_size
             out[f"tenant_floor_bytes.{tenant.name}"] = tenant.floor * self.page_size
-        others = sum(t.held for t in self._others) * self.page_size
+        others = sum(t.held for t in self._others.values()) * self.page_size
         out[f"tenant_used_bytes.{OTHER}"] = out.get(f"tenant_used_bytes.{OTHER}", 0) + others
         return out
 
     def all(self) -> list[Tenant]:
-        return [*self.named, *self._others]
+        return [*self.named, *self._others.values()]
 
 
 def _pages(nbytes: int | None, page_size: int) -> int | None:

@@ -34,6 +34,9 @@ class PoolTier(abc.ABC):
     lease; the caller writes them, then ``commit`` makes them readable (or ``abort`` gives
     them back); an expired write lease frees its pages and its commit fails.
 
+    Sessions: the store may end every lease of this client at once (``session_generation``
+    moves); write pages of leases ended that way are quarantined, not reused at once.
+
     Incarnations: every result carrying extents says which store incarnation (``epoch``) they
     belong to; after a restart the tier re-attaches, and ``segment_ref(epoch)`` names the
     segment of a given incarnation (None once forgotten). Extents are never valid in another
@@ -54,6 +57,13 @@ class PoolTier(abc.ABC):
     @abc.abstractmethod
     def epoch(self) -> int:
         """The incarnation attached to now (0: none yet). Never blocks."""
+
+    @property
+    @abc.abstractmethod
+    def session_generation(self) -> int:
+        """Moves whenever the store ended this client's session, and every lease in it (no
+        heartbeat got through for the store's session timeout): a lease taken at another
+        generation may be gone whatever its TTL said. Never blocks."""
 
     @abc.abstractmethod
     def segment_ref(self, epoch: int) -> SegmentRef | None: ...
