@@ -187,14 +187,20 @@ class StoreState:
 
     def _end_lease(self, lease: Lease, how: str) -> None:
         """Undo what a lease (already out of the table) held: unpin its chunks, or give back
-        the pages it was writing. ``how`` names the counter: released, expired, ..."""
+        the pages it was writing. ``how`` names the counter: released, expired, ...
+
+        A write lease the store ends itself (its TTL, or its session's) quarantines its pages
+        instead of freeing them: the writer did not say it was done, and a late copy of its
+        (a frozen store, a starved client) must not land in pages another writer owns by
+        then, where that writer's commit would checksum it into its own chunk."""
         if lease.kind is LeaseKind.READ:
             self.counters[f"{how}_read"] += 1
             for entry in lease.entries:
                 self._book.unpin(entry)
         else:
             self.counters[f"{how}_write"] += 1
-            self._book.drop_writing(lease.entries)
+            until = self._clock() + self.limits.ended_write_quarantine_s
+            self._book.drop_writing(lease.entries, quarantine_until=until)
 
     def _end_session(self, session: int) -> int:
         leases = self._leases.pop_session(session)

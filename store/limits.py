@@ -5,7 +5,8 @@ engine (and tenant) on the node. Unbounded, one allocate of two million keys hel
 for seconds and evicted the whole pool; one client could register namespaces or open
 sessions until the store ran out of memory; one tenant could flush every other tenant's
 cache. Each bound here is a ``StoreConfig`` field (see its description), except
-``namespace_idle_s`` (not configurable yet: the default below always applies); ``StoreLimits``
+``namespace_idle_s`` and ``ended_write_quarantine_s`` (not configurable yet: the defaults
+below always apply); ``StoreLimits``
 carries them into ``StoreCore``, whose defaults keep the state machine unbounded where a
 bound would change its semantics (a unit test, the trace simulator), and the served store
 always passes the configured ones.
@@ -33,6 +34,9 @@ class StoreLimits:
     namespace_idle_s: float = 600.0
     max_sessions: int = 65536
     max_lease_lifetime_s: float = 600.0  # a lease's whole life, renewals included
+    # Pages of a write lease the store ended (its TTL or its session's) are held back this long
+    # before reuse: the writer may still be copying into them. Longer than any copy.
+    ended_write_quarantine_s: float = 30.0
     session_timeout_s: float = 5.0  # a session without a heartbeat this long ends
     tenants: tuple[TenantLimits, ...] = ()
     default_quota_bytes: int | None = None  # per unlisted tenant; None = no cap

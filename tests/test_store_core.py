@@ -162,12 +162,17 @@ def test_expired_read_lease_unpins_and_says_expired() -> None:
     core.check_invariants()
 
 
-def test_expired_write_lease_frees_and_commit_fails() -> None:
+def test_expired_write_lease_quarantines_then_frees_and_commit_fails() -> None:
+    """The store ended the lease, not its writer: a late copy may still land in its pages,
+    so they are not handed to another writer before the quarantine ends."""
     clock = FakeClock()
     core = make_core(clock=clock)
     ns_id = core.register_namespace(NS, CHUNK)
     alloc = core.allocate(ns_id, keys(2), [CHUNK, CHUNK], ttl_s=1)
     clock.now += 2
+    core.reap()
+    assert core.stats()["quarantined_bytes"] == core.stats()["used_bytes"] > 0
+    clock.now += core.limits.ended_write_quarantine_s
     core.reap()
     assert core.stats()["used_bytes"] == 0
     with pytest.raises(KvtierError) as err:

@@ -16,7 +16,7 @@ def test_quarantined_pages_are_not_reused_until_the_quarantine_ends() -> None:
     core = make_core(pages=6, clock=clock)  # room for exactly two chunks
     ns_id = core.register_namespace(NS, CHUNK)
     ks = keys(2)
-    alloc = core.allocate(ns_id, ks, [CHUNK, CHUNK])
+    alloc = core.allocate(ns_id, ks, [CHUNK, CHUNK], ttl_s=60)  # ks[1] stays being written
     assert core.abort(alloc.lease_id, ks[:1], quarantine_s=5) == 1
     stats = core.stats()
     assert stats["quarantined_bytes"] == CHUNK and stats["writing_bytes"] == CHUNK

@@ -93,6 +93,7 @@ def test_a_session_that_misses_its_heartbeat_takes_its_leases(
     stats = core.stats()
     assert stats["read_leases"] == 1 and stats["write_leases"] == 0
     assert stats["writing_bytes"] == 0 and stats["sessions"] == 0
+    assert stats["quarantined_bytes"] == 2 * PAGE  # a late copy may still land there
     assert stats["sessions_expired"] == 1
     assert stats["session_released_read"] == 1 and stats["session_released_write"] == 1
     assert not core.heartbeat(session)  # the client must open a new one
@@ -101,6 +102,30 @@ def test_a_session_that_misses_its_heartbeat_takes_its_leases(
         core.commit(write, None, [1, 1])
     assert err.value.code is ErrorCode.LEASE_EXPIRED
     assert core.release([other]) == [LeaseStatus.OK]
+    core.check_invariants()
+
+
+def test_pages_of_a_write_lease_its_session_took_are_not_handed_to_another_writer(
+    core: StoreCore, clock: FakeClock
+) -> None:
+    """The store ended the session (a frozen store, a starved heartbeat thread), not the
+    writer: its copy may still land. Until the quarantine ends another writer gets other
+    pages, or none, so the late copy cannot be checksummed into that writer's chunk."""
+    ns_id = core.register_namespace(NS, PAGE)
+    session = core.open_session()
+    first = core.allocate(ns_id, keys(4), [PAGE] * 4, session=session)
+    pages = {loc.extents for loc in first.locations if loc is not None}
+    clock.now += 5.1  # no heartbeat: the session ends, its write lease with it
+    core.reap()
+    assert core.stats()["quarantined_bytes"] == 4 * PAGE
+    others = core.allocate(ns_id, keys(12, start=100), [PAGE] * 12)  # the rest of the pool
+    assert all(s is AllocStatus.ALLOCATED for s in others.statuses)
+    assert not pages & {loc.extents for loc in others.locations if loc is not None}
+    more = core.allocate(ns_id, keys(1, start=200), [PAGE])
+    assert more.statuses == [AllocStatus.NO_SPACE]  # quarantined pages are not reused
+    clock.now += core.limits.ended_write_quarantine_s
+    again = core.allocate(ns_id, keys(1, start=200), [PAGE])
+    assert again.statuses == [AllocStatus.ALLOCATED]
     core.check_invariants()
 
 
