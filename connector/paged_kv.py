@@ -188,10 +188,15 @@ class PoolView:
             pos += n
 
     def close(self) -> None:
+        """Stop using the segment: unregister it from CUDA (before anything unmaps it) and
+        drop this view's tensors, so that ``segment.close()`` really unmaps it (a live tensor
+        over the mapping would keep it, and the dead store's memory, until collected). The
+        segment stays its owner's to close."""
         self.device_words = None
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
+        self.tensor = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass

@@ -16,6 +16,16 @@ The copies themselves (``PagedKV``: pages, layouts, CPU and CUDA paths) are in
 Threading: called from vLLM's model-runner thread; sync loads run layer by layer on one extra
 thread (``kvtier-load``) so a layer's attention can start while later layers copy (different
 layers, never the same pages at once).
+
+Mapped segments (``_pools``) belong to the model-runner thread: every job's pool is mapped or
+looked up there (a sync load's before its thread starts, which gets the ``PoolView``), and is
+*held* until the step's copies are done (the load thread joined, saves waited for: the end of
+``save``, or the next ``start_load_kv``). A segment whose store is gone (its file unlinked or
+replaced: the store stopped or restarted) is unmapped at the start of each step and whenever a
+new segment is mapped, but never while a job of the step holds it: then at the next of those.
+Unmapping one registered with CUDA unregisters it first (``PoolView.close``). Without this
+every worker kept a dead store's pool mapped, so its memory stayed allocated and the restarted
+store could not reserve its own in a /dev/shm sized for one pool.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from kvtier.tiers.cpu import checksum_views, map_segment
 
 log = logging.getLogger(__name__)
 
-MAX_MAPPED_SEGMENTS = 4  # a store restart maps a new one; keep a few for jobs in flight
+MAX_MAPPED_SEGMENTS = 4  # live segments kept mapped (dead ones are unmapped when unheld)
 
 
 class ConnectorWorker:
@@ -51,7 +61,12 @@ class ConnectorWorker:
         self.geometry = geometry
         self.rank = tp_rank
         self.kv: PagedKV | None = None
+        # mapped segments by name, least recently used first (model-runner thread only);
+        # held: those this step's jobs use (by id), unmapped only once the step's copies end;
+        # retiring: dead or evicted ones waiting for their holders
         self._pools: OrderedDict[str, PoolView] = OrderedDict()
+        self._held: dict[int, PoolView] = {}
+        self._retiring: list[PoolView] = []
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._out = KvtierWorkerMetadata()
@@ -83,6 +98,11 @@ class ConnectorWorker:
     # -- loads -------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
+        try:  # the last step's copies are over (save() saw to it): nothing holds its pools
+            self._end_step()
+        except Exception:  # its copies cannot be waited for: its pools stay held (mapped)
+            log.exception("kvtier: waiting for the last step's copies failed")
+        self._retire_dead()
         try:
             if self.kv is not None:  # this is the model runner's thread: its stream orders copies
                 self.kv.bind_compute()
@@ -92,10 +112,15 @@ class ConnectorWorker:
                     self._run_load(job, None, range(self.geometry.num_layers))
                     self._finished_recving.add(job.req_id)
             if sync_jobs:
+                # mapped here, not on the load thread: _pools is this thread's alone
+                pools = {job.req_id: self._job_pool(job) for job in sync_jobs}
                 for event in self._layer_ready:
                     event.clear()
                 self._load_thread = threading.Thread(
-                    target=self._load_layers, args=(sync_jobs,), name="kvtier-load", daemon=True
+                    target=self._load_layers,
+                    args=(sync_jobs, pools),
+                    name="kvtier-load",
+                    daemon=True,
                 )
                 self._load_thread.start()
         except Exception as exc:  # never take the engine down: every load of the step fails
@@ -108,13 +133,27 @@ class ConnectorWorker:
             for event in self._layer_ready:
                 event.set()
 
-    def _load_layers(self, jobs: list[LoadJob]) -> None:
+    def _job_pool(self, job: LoadJob) -> PoolView | None:
+        """The held pool of a sync load (model-runner thread); None, the load failed, when its
+        segment cannot be mapped, or when the job copies nothing."""
+        if job.failed or not job.chunks.get(self.rank):
+            return None
+        try:
+            return self._hold(job.segments[self.rank])
+        except Exception as exc:
+            self._fail_load(job, repr(exc))
+            return None
+
+    def _load_layers(self, jobs: list[LoadJob], pools: dict[str, PoolView | None]) -> None:
+        """The ``kvtier-load`` thread: copies through ``pools`` (mapped and held for it by
+        the model-runner thread), never touches ``_pools``."""
         try:
             plans: dict[str, CopyPlan | None] = {}
             for job in jobs:  # once per job for all layers; a failure fails that job only
                 plans[job.req_id] = None
                 chunks = job.chunks.get(self.rank, [])
-                if self.kv is not None and chunks and not job.failed:
+                failed = job.failed or job.req_id in self._out.load_failed
+                if self.kv is not None and chunks and not failed:
                     try:
                         plans[job.req_id] = self.kv.plan(chunks)
                     except Exception as exc:
@@ -123,7 +162,8 @@ class ConnectorWorker:
             for layer in range(self.geometry.num_layers):
                 for job in jobs:
                     if job.req_id not in self._out.load_failed:
-                        self._run_load(job, plans[job.req_id], (layer,), final=layer == last)
+                        pool = pools[job.req_id]
+                        self._run_load(job, plans[job.req_id], (layer,), layer == last, pool)
                 self._layer_ready[layer].set()
         finally:
             for event in self._layer_ready:
@@ -150,7 +190,10 @@ class ConnectorWorker:
         plan: CopyPlan | None,
         layers: range | tuple[int, ...],
         final: bool = True,
+        pool: PoolView | None = None,
     ) -> None:
+        """Copy ``layers`` of a load job through ``pool`` (a sync load's, held for it), or
+        through the job's segment mapped here (async loads: the model-runner thread)."""
         if job.failed:
             self._fail_load(job, job.failed)
             return
@@ -162,7 +205,8 @@ class ConnectorWorker:
             assert self.kv is not None, "register_kv_caches was not called"
             if plan is None:
                 plan = self.kv.plan(chunks)
-            pool = self._pool(job.segments[self.rank])
+            if pool is None:
+                pool = self._hold(job.segments[self.rank])
             if not pool.segment.is_live():
                 raise RuntimeError(f"pool segment {pool.segment.name} is no longer the store's")
             for layer in layers:
@@ -177,6 +221,7 @@ class ConnectorWorker:
                     self._verify(job, pool)
         except Exception as exc:
             self._fail_load(job, repr(exc))
+            self._drain_loads()  # copies issued before the failure end before the pool may go
             return
         self.stats.add(C.LOAD_SECONDS, time.perf_counter() - start)
         if final:
@@ -245,7 +290,8 @@ class ConnectorWorker:
                         self._save_job_layer(job, layer)
             if self.kv is not None:
                 self.kv.finish_saves()
-        except Exception as exc:
+            self._held.clear()  # the step's copies are done (loads joined, saves waited for)
+        except Exception as exc:  # the pools stay held: the next step waits again first
             log.warning("kvtier: waiting for saves failed: %r", exc)
             self._failed_saves.update(job.job_id for job in meta.saves)
         for job in meta.saves:
@@ -274,7 +320,7 @@ class ConnectorWorker:
             plan = self._save_plans.get(job.job_id)
             if plan is None:
                 plan = self._save_plans[job.job_id] = self.kv.plan(chunks)
-            self.kv.save_layer(layer, self._pool(job.segments[self.rank]), plan)
+            self.kv.save_layer(layer, self._hold(job.segments[self.rank]), plan)
         except Exception as exc:
             log.warning("kvtier save of %s failed: %r", job.req_id, exc)
             self._failed_saves.add(job.job_id)
@@ -307,24 +353,97 @@ class ConnectorWorker:
 
     # -- segments ----------------------------------------------------------------------------
 
+    def _hold(self, ref: SegmentRef) -> PoolView:
+        """The mapped pool of ``ref`` for a job of this step, held (never unmapped) until the
+        step's copies are done. Model-runner thread only. RuntimeError if the store's segment
+        is gone."""
+        pool = self._pool(ref)
+        self._held[id(pool)] = pool
+        return pool
+
     def _pool(self, ref: SegmentRef) -> PoolView:
+        """The mapped pool of ``ref``, mapping it (and unmapping the segments of stores that
+        are gone, unless held) if it is new. Model-runner thread only."""
         pool = self._pools.get(ref.name)
         if pool is not None and not pool.segment.is_live():
-            del self._pools[ref.name]  # the store is gone: drop the mapping
-            pool.close()
+            del self._pools[ref.name]  # the store is gone (or a new one took the name)
+            self._retiring.append(pool)
             pool = None
         if pool is None:
+            self._retire_dead()  # a new incarnation: unmap the stores that are gone
             segment = map_segment(ref)  # RuntimeError if the store's segment is gone
             pool = PoolView(segment, pin=self.kv is not None and self.kv.is_cuda)
+            excess = len(self._pools) + 1 - MAX_MAPPED_SEGMENTS
+            if excess > 0:  # least recently used first, never one this step holds
+                idle = [name for name, p in self._pools.items() if id(p) not in self._held]
+                self._retiring.extend(self._pools.pop(name) for name in idle[:excess])
+                self._unmap_retired()
             self._pools[ref.name] = pool
-            while len(self._pools) > MAX_MAPPED_SEGMENTS:
-                _, old = self._pools.popitem(last=False)
-                old.close()
         self._pools.move_to_end(ref.name)
         return pool
 
-    def shutdown(self) -> None:
+    def _retire_dead(self) -> None:
+        """Unmap every mapped segment whose store is gone (file unlinked or replaced), except
+        those a job of this step holds: they go at the next step's start or mapping. Costs a
+        stat per mapped segment (normally one): 6 µs a segment on a 2-core VM, against the
+        milliseconds of a step, so it runs every step. Never raises: a failure leaves the
+        mappings for the next try."""
+        try:
+            for name, pool in list(self._pools.items()):
+                if not pool.segment.is_live():
+                    del self._pools[name]
+                    self._retiring.append(pool)
+            self._unmap_retired()
+        except Exception:
+            log.exception("kvtier: unmapping dead pool segments failed")
+
+    def _unmap_retired(self) -> None:
+        idle = [pool for pool in self._retiring if id(pool) not in self._held]
+        if not idle:
+            return
+        self._retiring = [pool for pool in self._retiring if id(pool) in self._held]
+        # No copy can be in flight through an unheld pool (a failed load waited for its
+        # copies, saves are waited for in save()); this wait only makes sure (mid-step, it
+        # waits for the step's loads issued so far: once per store restart).
+        if not self._drain_loads():
+            self._retiring.extend(idle)  # not provably idle: kept mapped
+            return
+        for pool in idle:
+            name = pool.segment.name
+            pool.close()  # CUDA: unregistered before the memory is unmapped
+            pool.segment.close()
+            if pool.segment._mmap.closed:
+                log.info("kvtier worker rank %d: unmapped pool segment %s", self.rank, name)
+            else:  # a view of it is still alive: unmapped when that goes
+                log.warning("kvtier: pool segment %s is still referenced, not unmapped", name)
+
+    def _end_step(self) -> None:
+        """The step's copies are over: the load thread joined, every copy waited for (here
+        when ``save`` did not run), so no job holds a mapping any more. Raises (nothing
+        released) if waiting for the copies failed."""
         self._finish_sync_loads()
-        for pool in self._pools.values():
-            pool.close()
+        if self._held and self.kv is not None:
+            self.kv.finish_loads()
+            self.kv.finish_saves()
+        self._held.clear()
+
+    def _drain_loads(self) -> bool:
+        """Wait for every load copy issued so far (CUDA; no-op on CPU). False if that failed."""
+        if self.kv is None:
+            return True
+        try:
+            self.kv.finish_loads()
+        except Exception:
+            log.exception("kvtier: waiting for load copies failed")
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        try:
+            self._end_step()
+        except Exception:
+            log.exception("kvtier: waiting for copies at shutdown failed")
+            return  # leave the mappings to the process's exit
+        self._retiring.extend(self._pools.values())
         self._pools.clear()
+        self._unmap_retired()
