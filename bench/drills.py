@@ -36,9 +36,17 @@ def _store(ctx: DrillContext, capacity: str = "256MiB", **kwargs: Any) -> Servic
     return start_store(ctx.run_dir, capacity, "drill-node", remote=False, **kwargs)
 
 
+def live_leases(store: Service) -> dict:
+    """A phase reading the store's lease count while the engine is alive and idle: a lease
+    the connector leaked is still held then (once the engine exits, closing its session
+    releases everything, which is why reading after the run could never show a leak)."""
+    return {"op": "store_leases", "address": store.address}
+
+
 def _leases(store: Service) -> int:
     """Leases still held at the store once every instance has exited (0 for a dead store:
-    its leases died with it)."""
+    its leases died with it). Catches leases of clients without a session only: drills
+    read ``live_leases`` while the engine runs."""
     from kvtier.store.client.grpc import GrpcStoreClient
 
     if store.proc.poll() is not None:
@@ -67,16 +75,16 @@ def poison_flow(
     try:
         config = {"store_address": store.address} | (extra or {})
         phases = [generate(prompts.a), RESET, fault(store) | {"every": True}]
-        phases += [generate(prompts.b), DISARM, RESET, generate(prompts.a), RESET]
-        phases += [generate(prompts.b), METRICS]
+        phases += [generate(prompts.b), live_leases(store), DISARM, RESET, generate(prompts.a)]
+        phases += [RESET, generate(prompts.b), live_leases(store), METRICS]
         out = ctx.vllm(phases, config)
         reference = ctx.reference(prompts.a + prompts.b)
         tally(result, out[0], prompts.a, reference)
         tally(result, out[3], prompts.b, reference, timed=True)
-        tally(result, out[6], prompts.a, reference)
-        tally(result, out[8], prompts.b, reference)
+        tally(result, out[7], prompts.a, reference)
+        tally(result, out[9], prompts.b, reference)
         add_counters(result, out[-1])
-        result.leaked_leases = _leases(store)
+        result.leaked_leases = max(out[4], out[10], _leases(store))
     finally:
         store.stop()
     return result
@@ -245,7 +253,7 @@ def rope_override(ctx: DrillContext) -> DrillResult:
         first = ctx.vllm([generate(prompts.a), METRICS], config)
         check = ctx.vllm([generate(prompts.a), METRICS], config, engine_args=overrides)
         tally(result, first[0], prompts.a, ctx.reference(prompts.a))
-        reference = ctx.reference(prompts.a, None, **overrides)
+        reference = ctx.reference(prompts.a, None, 1, **overrides)
         tally(result, check[0], prompts.a, reference, timed=True)
         add_counters(result, first[-1])
         add_counters(result, check[-1])
@@ -331,8 +339,10 @@ def pool_too_small(ctx: DrillContext) -> DrillResult:
 
 
 def store_hung(ctx: DrillContext) -> DrillResult:
-    """The store stops answering (SIGSTOP): requests go on as misses within the deadlines;
-    no scheduler hook call stalls the engine (the longest one is reported)."""
+    """The store stops answering (SIGSTOP) while every prompt arrives at once: requests go on
+    as misses within the deadlines, and the scheduler's time in kvtier per step stays within
+    one ``lookup_wait_ms`` budget plus its own work, however many requests wait (reported
+    per step, and the longest single call)."""
     result = DrillResult("", "")
     prompts = ctx.prompts(12)
     store = _store(ctx)
@@ -343,7 +353,7 @@ def store_hung(ctx: DrillContext) -> DrillResult:
             RESET,
             {"op": "connector_timing"},
             {"op": "signal", "pid": store.proc.pid, "signal": "SIGSTOP"},
-            generate(prompts.b),
+            generate(prompts.b) | {"batch": True},
             {"op": "connector_timing"},
             {"op": "signal", "pid": store.proc.pid, "signal": "SIGCONT"},
             METRICS,
@@ -353,9 +363,64 @@ def store_hung(ctx: DrillContext) -> DrillResult:
         tally(result, out[0], prompts.a, reference)
         tally(result, out[4], prompts.b, reference, timed=True)
         add_counters(result, out[-1])
-        longest = out[5]["longest"]
-        result.counters["longest_hook_call_s"] = longest
-        result.notes.append(f"longest scheduler hook call {longest * 1e3:.1f} ms")
+        timing = out[5]
+        per_step = timing["seconds"] / max(1, timing["steps"])
+        result.counters["longest_hook_call_s"] = timing["longest"]
+        result.counters["scheduler_hook_s_per_step"] = per_step
+        result.notes.append(
+            f"scheduler hooks {per_step * 1e3:.2f} ms per step over {timing['steps']} steps "
+            f"(longest call {timing['longest'] * 1e3:.1f} ms)"
+        )
+    finally:
+        store.stop()
+    return result
+
+
+# -- concurrency: shared prefixes in flight, preemption, multi-token decode --------------------
+
+
+DECODE = 32  # tokens per request in the concurrent drill
+BLOCK_BYTES = 2 * 2 * 2 * 32 * 32 * 4  # tiny model: layers x K,V x heads x head_dim x 32 x fp32
+
+
+def concurrent_failed_loads(ctx: DrillContext) -> DrillResult:
+    """Every prompt in flight at once, sharing prefixes, 32 tokens each, in a KV cache that
+    holds far fewer than are running (vLLM preempts), while every load's second chunk fails
+    its checksum: failed loads are followed by preemptions, re-admissions on vLLM's own prefix
+    cache and recomputes spread over steps. Then, faults off, the same prompts read back
+    whatever the faulty phase saved (also in flight at once)."""
+    result = DrillResult("", "")
+    prompts = ctx.prompts(21)
+    store = _store(ctx)
+    try:
+        config = {"store_address": store.address, "verify_loads": True}
+        fault = {
+            "op": "fault",
+            "kind": "corrupt_chunk",
+            "segment": store.ready["segment"],
+            "chunk": 1,
+            "every": True,
+        }
+        many = {"batch": True, "max_tokens": DECODE}
+        phases = [generate(prompts.a), RESET, fault, generate(prompts.b) | many]
+        phases += [live_leases(store), DISARM, RESET, generate(prompts.a), RESET]
+        phases += [generate(prompts.b) | many, live_leases(store), METRICS]
+        # 31 blocks of 32 tokens: two 456-token prompts fill 30; decoding past 480 tokens
+        # both need one more, and vLLM preempts the newer one
+        out = ctx.vllm(
+            phases, config, max_model_len=960, max_num_seqs=8, kv_cache_bytes=31 * BLOCK_BYTES
+        )
+        first = ctx.reference(prompts.a)
+        decoded = ctx.reference(prompts.b, max_tokens=DECODE)
+        tally(result, out[0], prompts.a, first)
+        tally(result, out[3], prompts.b, decoded, timed=True, batched=True)
+        tally(result, out[7], prompts.a, first)
+        tally(result, out[9], prompts.b, decoded, batched=True)
+        add_counters(result, out[-1])
+        preemptions = out[-1].get("vllm:num_preemptions", 0)
+        result.counters["preemptions"] = preemptions
+        result.notes.append(f"{preemptions:.0f} preemptions")
+        result.leaked_leases = max(out[4], out[10], _leases(store))
     finally:
         store.stop()
     return result
@@ -442,7 +507,15 @@ DRILLS: dict[str, tuple[str, Callable[[DrillContext], DrillResult]]] = {
         store_down_new_salt,
     ),
     "pool-too-small": ("a pool smaller than one chunk", pool_too_small),
-    "store-hung": ("the store stops answering (SIGSTOP) while requests arrive", store_hung),
+    "store-hung": (
+        "the store stops answering (SIGSTOP) while every request arrives at once",
+        store_hung,
+    ),
+    "concurrent-failed-loads": (
+        "every request in flight at once (shared prefixes, 32 tokens each, preempted by a small "
+        "KV cache) while every load's second chunk fails its checksum",
+        concurrent_failed_loads,
+    ),
     "pool-full-pinned": (
         "every page of the pool held by another client's uncommitted writes",
         pool_full_pinned,

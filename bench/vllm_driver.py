@@ -147,6 +147,8 @@ def _generate(llm: Any, phase: dict) -> list[dict]:
         detokenize=False,
         ignore_eos=True,
     )
+    if phase.get("batch"):  # every prompt in flight at once: the engine batches them
+        return _generate_batch(llm, phase["prompts"], params)
     results: list[dict[str, Any]] = []
     for prompt in phase["prompts"]:
         before = _cached_by_source(_metrics(llm))
@@ -185,6 +187,62 @@ def _generate(llm: Any, phase: dict) -> list[dict]:
             }
         )
     return results
+
+
+def _tokens_prompt(prompt: list[int] | dict) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    if isinstance(prompt, dict):
+        tokens_prompt = TokensPrompt(prompt_token_ids=prompt["tokens"])
+        if prompt.get("cache_salt") is not None:
+            tokens_prompt["cache_salt"] = prompt["cache_salt"]
+        return tokens_prompt
+    return TokensPrompt(prompt_token_ids=prompt)
+
+
+def _generate_batch(llm: Any, prompts: list, params: Any) -> list[dict]:
+    """All prompts submitted together: concurrent requests sharing prefixes, preempted when
+    the KV cache is small. Per-request outputs as ``_generate``'s (no per-request sources)."""
+    start = time.perf_counter()
+    outs = llm.generate([_tokens_prompt(p) for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return [
+        {
+            "tokens": list(out.outputs[0].token_ids),
+            "logprobs": [
+                {str(t): lp.logprob for t, lp in step.items()}
+                for step in (out.outputs[0].logprobs or [])
+            ],
+            "prompt_logprobs": [
+                None if step is None else {str(t): lp.logprob for t, lp in step.items()}
+                for step in (out.prompt_logprobs or [])
+            ],
+            "num_cached_tokens": out.num_cached_tokens,
+            "finish_reason": out.outputs[0].finish_reason,
+            "seconds": seconds,
+            "cached_by_source": {},
+        }
+        for out in outs
+    ]
+
+
+def _store_leases(address: str, settle_s: float) -> int:
+    """Leases the store holds now, this engine alive and idle (its session still open, so a
+    leaked lease is still there to count). Commits and releases travel on the connector's
+    ops thread: a count above 0 is re-read until ``settle_s``, and what stays is a leak."""
+    from kvtier.store.client.grpc import GrpcStoreClient
+
+    client = GrpcStoreClient(address)
+    try:
+        deadline = time.monotonic() + settle_s
+        while True:
+            stats = client.stats()
+            held = int(stats["read_leases"]) + int(stats["write_leases"])
+            if not held or time.monotonic() > deadline:
+                return held
+            time.sleep(0.05)
+    finally:
+        client.close()
 
 
 def _drain(llm: Any) -> None:
@@ -233,6 +291,9 @@ def main(spec: dict) -> list[Any]:
                 results.append(True)
             elif op == "metrics":
                 results.append(_metrics(llm))
+            elif op == "store_leases":
+                _drain(llm)
+                results.append(_store_leases(phase["address"], phase.get("settle_s", 3.0)))
             elif op == "fault":
                 arm_fault(llm, phase)
                 results.append(None)
