@@ -75,6 +75,12 @@ class LookupOutcome:
     released: bool = False
     lease_lost: bool = False  # a renewal found a lease gone: never load from it
     session_generation: int = 0  # the store session the leases were taken under
+    lease_ttl_s: float = 0.0  # the shortest TTL the store granted its leases (0: none yet)
+
+    def granted(self, lease_ttl_s: float) -> None:
+        """Record a lease's granted TTL: the store may cap what was asked without an error."""
+        if lease_ttl_s > 0:
+            self.lease_ttl_s = min(self.lease_ttl_s or lease_ttl_s, lease_ttl_s)
 
 
 @dataclass
@@ -263,6 +269,7 @@ class TierResolver:
             result = self.pool.lookup(ns_id, keys[rank], self.config.lease_ttl_s)
             if result.lease_id:
                 outcome.lease_ids.append(result.lease_id)
+                outcome.granted(result.lease_ttl_s or self.config.lease_ttl_s)
             outcome.hits[rank] = self._verifiable(result.hits)
             outcome.epochs[rank] = result.epoch
         return min(len(h) for h in outcome.hits.values())
@@ -293,6 +300,7 @@ class TierResolver:
             result = self.pool.lookup(ns_id, keys[rank][run : run + n], self.config.lease_ttl_s)
             if result.lease_id:
                 outcome.lease_ids.append(result.lease_id)
+                outcome.granted(result.lease_ttl_s or self.config.lease_ttl_s)
             if run and outcome.epochs.get(rank, result.epoch) != result.epoch:
                 return 0  # the store restarted between the two lookups: keep the first run
             hits = self._verifiable(result.hits)

@@ -377,7 +377,7 @@ class ConnectorScheduler:
             # thread): every lease of it ended at once, whatever its TTL said
             self._count(C.LEASE_LAPSED_LOADS)
             job.failed = "the store ended the session its leases belonged to"
-        elif outcome.lease_lost or self._remaining(outcome) < self.config.lease_ttl_s / 4:
+        elif outcome.lease_lost or self._remaining(outcome) < self._ttl(outcome) / 4:
             self._count(C.LEASE_LAPSED_LOADS)
             job.failed = "its lease lapsed (or was about to) before the copy"
 
@@ -386,14 +386,15 @@ class ConnectorScheduler:
         for job, outcome in self._loading.values():
             if job.failed or outcome.released or outcome.lease_lost:
                 continue
-            if self._remaining(outcome) < self.config.lease_ttl_s / 2:
+            if self._remaining(outcome) < self._ttl(outcome) / 2:
                 outcome.leased_at = time.monotonic()
                 for lease_id in outcome.lease_ids:
                     self._ops.submit(self._renew, outcome, lease_id)
 
     def _renew(self, outcome: LookupOutcome, lease_id: int) -> None:
         try:
-            self.pool.renew(lease_id, self.config.lease_ttl_s)
+            # the store may grant less (what is left of the lease's lifetime)
+            outcome.granted(self.pool.renew(lease_id, self.config.lease_ttl_s))
         except KvtierError as exc:  # expired or unknown: its chunks may be gone
             outcome.lease_lost = True
             log.info("kvtier: lease of a load in flight lost: %s", exc)
@@ -481,10 +482,14 @@ class ConnectorScheduler:
     # -- leases ------------------------------------------------------------------------------
 
     def _remaining(self, outcome: LookupOutcome) -> float:
-        return self.config.lease_ttl_s - (time.monotonic() - outcome.leased_at)
+        return self._ttl(outcome) - (time.monotonic() - outcome.leased_at)
+
+    def _ttl(self, outcome: LookupOutcome) -> float:
+        """What the store granted the outcome's leases (what was asked, where not said)."""
+        return outcome.lease_ttl_s or self.config.lease_ttl_s
 
     def _stale(self, outcome: LookupOutcome) -> bool:
-        return not outcome.consumed and self._remaining(outcome) < self.config.lease_ttl_s / 2
+        return not outcome.consumed and self._remaining(outcome) < self._ttl(outcome) / 2
 
     def _release(self, outcome: LookupOutcome) -> None:
         lease_ids = take_leases(outcome)

@@ -142,17 +142,19 @@ class StoreCore(StoreState):
             for entry in hits:
                 entry.last_access = now
                 self._book.policy.touch(entry.key)
-            lease_id = 0
+            lease_id, granted = 0, 0.0
             if lease_ttl_s is not None and hits:
                 ttl = self._ttl(lease_ttl_s)
                 for entry in hits:
                     self._book.pin(entry)
                 lease_id = self._new_lease(LeaseKind.READ, hits, now, ttl, session)
+                granted = min(ttl, self.limits.max_lease_lifetime_s)
             self.counters["lookups"] += 1
             self.counters["hit_chunks"] += len(hits)
             self.counters["miss_chunks"] += len(keys) - len(hits)
             self.counters["pending_lookups"] += stop is LookupStatus.PENDING
-            return LookupResult([self._book.location(e) for e in hits], stop, lease_id, self.epoch)
+            locations = [self._book.location(e) for e in hits]
+            return LookupResult(locations, stop, lease_id, self.epoch, granted)
 
     def committed_mask(self, ns_id: bytes, keys: Sequence[bytes]) -> list[bool]:
         """Per key: committed here now. No side effects on chunks (no lease, no use counted);
@@ -335,7 +337,8 @@ class StoreCore(StoreState):
             lease_id = (
                 self._new_lease(LeaseKind.WRITE, written, now, ttl, session) if written else 0
             )
-            return AllocateResult(lease_id, statuses, locations, self.epoch)
+            granted = min(ttl, self.limits.max_lease_lifetime_s) if lease_id else 0.0
+            return AllocateResult(lease_id, statuses, locations, self.epoch, granted)
 
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
         """Make written chunks readable. ``keys=None`` commits the whole lease.

@@ -139,6 +139,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             hits=wire.locations_to_pb(result.hits),
             stop=wire.LOOKUP_STATUS[result.stop],
             lease_id=result.lease_id,
+            lease_ttl_s=result.lease_ttl_s,
         )
 
     @rpc.handler
@@ -156,6 +157,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         )
         reply = pb.AllocateReply(
             lease_id=result.lease_id,
+            lease_ttl_s=result.lease_ttl_s,
             allocated=wire.locations_to_pb([loc for loc in result.locations if loc is not None]),
         )
         reply.statuses.extend(wire.ALLOC_STATUS[s] for s in result.statuses)
@@ -256,6 +258,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             hits=wire.locations_to_pb(result.hits),
             stop=wire.LOOKUP_STATUS[result.stop],
             lease_id=result.lease_id,
+            lease_ttl_s=result.lease_ttl_s,
         )
 
     @rpc.handler

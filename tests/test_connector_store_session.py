@@ -111,3 +111,46 @@ def test_a_save_whose_session_ended_is_never_sent(store: StoreProcess) -> None:
     finally:
         scheduler.shutdown()
         pool.close()
+
+
+@pytest.fixture
+def capped_store(run_dir: Path) -> Iterator[StoreProcess]:
+    """A store that grants read leases 2 s at most, whatever is asked (max_lease_ttl_s)."""
+    proc = start_store_process(run_dir, "16MiB", env={"KVTIER_STORE__MAX_LEASE_TTL_S": "2"})
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_the_granted_lease_ttl_not_the_asked_one_decides_a_load(
+    capped_store: StoreProcess,
+) -> None:
+    """The connector asks 60 s; the store grants 2 s without an error. A load dispatched
+    after the granted lease lapsed must fail, not copy chunks that are no longer pinned."""
+    config = ConnectorConfig(
+        chunk_tokens=CHUNK, min_hit_tokens={"cpu": CHUNK}, verify_loads=False, lease_ttl_s=60
+    )
+    pool = connect(StoreConfig(address=capped_store.address))
+    scheduler = ConnectorScheduler(config, GEOMETRY, IDENTITY, Tiers(pool))
+    scheduler.block_ids_of = lambda req_id: list(range(64))
+    try:
+        import numpy as np
+
+        tokens = list(range(4, 4 + 4 * CHUNK + 1))
+        ns_id = scheduler.resolver.namespaces(scheduler._state(_request("seed", tokens)))[0]
+        chunks = [np.zeros(GEOMETRY.chunk_bytes, dtype=np.uint8)] * 4
+        pool.put(ns_id, scheduler._requests["seed"].keys(0, 4, CHUNK), chunks)
+        request = _request("r", tokens)
+        deadline = time.monotonic() + 10
+        while (hit := scheduler.get_num_new_matched_tokens(request, 0))[0] is None:
+            assert time.monotonic() < deadline
+        assert hit[0] == 4 * CHUNK
+        assert scheduler._requests["r"].outcome.lease_ttl_s == 2.0
+        time.sleep(2.5)  # the scheduler was slow: the granted lease lapsed
+        scheduler.update_state_after_alloc(request, list(range(16)), hit[0])
+        (job,) = scheduler.build_meta([("r", 0, hit[0] + 1)]).loads
+        assert job.failed == "its lease lapsed (or was about to) before the copy"
+    finally:
+        scheduler.shutdown()
+        pool.close()

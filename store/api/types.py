@@ -31,6 +31,9 @@ class LookupResult:
     stop: LookupStatus  # HIT when every key hit, else what the first non-hit was
     lease_id: int  # 0 when no lease was asked for or nothing hit
     epoch: int = 0  # the store incarnation the extents belong to (0: not known)
+    # seconds the lease was granted for: the store caps what was asked (max_lease_ttl_s,
+    # max_lease_lifetime_s) without an error; 0 = no lease, or a store that does not say
+    lease_ttl_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,7 @@ class AllocateResult:
     statuses: list[AllocStatus]
     locations: list[ChunkLocation | None]  # where to write, for ALLOCATED chunks
     epoch: int = 0  # the store incarnation the extents belong to (0: not known)
+    lease_ttl_s: float = 0.0  # seconds the write lease was granted for (0: none / not said)
 
 
 @dataclass(frozen=True, slots=True)

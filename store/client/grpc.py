@@ -174,6 +174,7 @@ class GrpcStoreClient(StoreClient):
             wire.LOOKUP_STATUS_BACK[reply.stop],
             reply.lease_id,
             epoch,
+            reply.lease_ttl_s,
         )
 
     def allocate(
@@ -205,7 +206,7 @@ class GrpcStoreClient(StoreClient):
         statuses = [wire.ALLOC_STATUS_BACK[s] for s in reply.statuses]
         allocated = iter(wire.locations_from_pb(reply.allocated))
         locations = [next(allocated) if s.value == "allocated" else None for s in statuses]
-        return AllocateResult(reply.lease_id, statuses, locations, epoch)
+        return AllocateResult(reply.lease_id, statuses, locations, epoch, reply.lease_ttl_s)
 
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
         request = pb.CommitRequest(
@@ -362,6 +363,7 @@ class GrpcStoreClient(StoreClient):
             wire.LOOKUP_STATUS_BACK[reply.stop],
             reply.lease_id,
             epoch,
+            reply.lease_ttl_s,
         )
 
     def fetch(

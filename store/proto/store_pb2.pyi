@@ -141,14 +141,16 @@ class LookupRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., ns_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., session: _Optional[int] = ...) -> None: ...
 
 class LookupReply(_message.Message):
-    __slots__ = ("hits", "stop", "lease_id")
+    __slots__ = ("hits", "stop", "lease_id", "lease_ttl_s")
     HITS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     hits: Locations
     stop: LookupStatus
     lease_id: int
-    def __init__(self, hits: _Optional[_Union[Locations, _Mapping]] = ..., stop: _Optional[_Union[LookupStatus, str]] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, hits: _Optional[_Union[Locations, _Mapping]] = ..., stop: _Optional[_Union[LookupStatus, str]] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("epoch", "ns_id", "keys", "sizes", "ttl_s", "session")
@@ -167,14 +169,16 @@ class AllocateRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., ns_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ..., session: _Optional[int] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
-    __slots__ = ("lease_id", "statuses", "allocated")
+    __slots__ = ("lease_id", "statuses", "allocated", "lease_ttl_s")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     statuses: _containers.RepeatedScalarFieldContainer[AllocStatus]
     allocated: Locations
-    def __init__(self, lease_id: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[AllocStatus, str]]] = ..., allocated: _Optional[_Union[Locations, _Mapping]] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, lease_id: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[AllocStatus, str]]] = ..., allocated: _Optional[_Union[Locations, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("epoch", "lease_id", "keys", "checksums")

@@ -118,7 +118,7 @@ class Fetcher:
             self.counters["served_chunks"] += len(hits)
             self.counters["served_bytes"] += sum(h.size for h in hits)
             self.counters["served_checksums"] += len(missing)
-        return LookupResult(hits, result.stop, result.lease_id, result.epoch)
+        return LookupResult(hits, result.stop, result.lease_id, result.epoch, result.lease_ttl_s)
 
     # -- puller side -------------------------------------------------------------------------
 
