@@ -380,7 +380,7 @@ def store_hung(ctx: DrillContext) -> DrillResult:
 
 
 DECODE = 32  # tokens per request in the concurrent drill
-BLOCK_BYTES = 2 * 2 * 2 * 32 * 32 * 4  # tiny model: layers x K,V x heads x head_dim x 32 x fp32
+BLOCK_BYTES = 2 * 2 * 2 * 32 * 32 * 2  # tiny model: layers, K+V, heads, head_dim, 32 tokens, bf16
 
 
 def concurrent_failed_loads(ctx: DrillContext) -> DrillResult:

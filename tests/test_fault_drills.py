@@ -90,3 +90,11 @@ def test_hung_store_never_stalls_the_engine(drills: DrillContext) -> None:
 def test_pool_full_of_pinned_chunks(drills: DrillContext) -> None:
     result = run(drills, "pool-full-pinned")
     assert result.counters.get("save_no_space", 0) > 0
+
+
+def test_concurrent_requests_with_failed_loads_and_preemption(drills: DrillContext) -> None:
+    """Every request in flight at once with failed loads, in a KV cache small enough that
+    vLLM preempts; leases are read while the engine is alive."""
+    result = run(drills, "concurrent-failed-loads")
+    assert result.counters["preemptions"] >= 1
+    assert result.counters.get("load_failed_requests", 0) >= 1
