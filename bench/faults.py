@@ -154,18 +154,19 @@ def _pkey(prompt: list[int] | dict) -> str:
 
 # Decode steps run batched with whatever else is in flight, and vLLM's CPU kernels round a
 # row differently in another batch shape; a preempted request recomputes its decoded tokens
-# in one prefill step, which rounds differently again. With no connector at all, 20 requests
-# decoding 32 tokens each in a small KV cache (5 preemptions) differ from the same requests
-# run one at a time in the logprobs of later decode steps for 9 of 20 (first at step 1 to
-# 24), every token identical. Which requests share a step depends on cache hits, so no
-# reference can share the schedule. What KV that was never loaded changes is the first
-# sampled position (bit for bit) and the tokens: those are compared; later steps' logprobs
-# are not.
+# in one prefill step, which rounds differently again. With no connector at all, 100
+# requests decoding 32 tokens each in a small KV cache (50 preemptions) differ from the same
+# requests run one at a time in later decode steps' logprobs for most of them and in the
+# tokens for 3 (near-ties flipping from the 5th decode step on); none differed at the first
+# sampled position. Which requests share a step depends on cache hits, so no reference can
+# share the schedule. So for requests decoded together the drill compares what is exact
+# whatever the batch: the prompt logprobs past the cached prefix and the first sampled
+# position (its token and top logprobs), which reads every position's KV, loaded or not.
+# Exactness of later decode steps over loaded KV is held by tests/engine_rig.py instead.
 
 
-def _same_decode(got: list[dict], want: list[dict]) -> bool:
-    """The first sampled position's logprobs bit for bit (the tokens are compared apart)."""
-    return len(got) == len(want) and (not got or got[0] == want[0])
+def _first_position(out: dict) -> tuple:
+    return (out["tokens"][:1], out["logprobs"][:1])
 
 
 def compare(
@@ -187,10 +188,10 @@ def compare(
         # always there, and depend on every position's KV.
         got, want = out["prompt_logprobs"][cached + 1 :], ref["prompt_logprobs"][cached + 1 :]
         if batched:
-            same_logprobs = _same_decode(out["logprobs"], ref["logprobs"])
+            same_outputs = _first_position(out) == _first_position(ref)
         else:
-            same_logprobs = out["logprobs"] == ref["logprobs"]
-        same = out["tokens"] == ref["tokens"] and same_logprobs and (not got or got == want)
+            same_outputs = out["tokens"] == ref["tokens"] and out["logprobs"] == ref["logprobs"]
+        same = same_outputs and (not got or got == want)
         wrong += not same
     return wrong
 
