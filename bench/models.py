@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def _tokenizer(vocab_size: int):
@@ -104,12 +105,20 @@ def make_tiny_llama(
         tie_word_embeddings=False,
         torch_dtype=dtype,
     )
-    model = LlamaForCausalLM(config)
+    return _save_scaled(LlamaForCausalLM(config), out, vocab_size, getattr(torch, dtype))
+
+
+def _save_scaled(model: Any, out: Path, vocab_size: int, dtype: Any = None) -> Path:
+    """Scale the random weights x5 (logits far from uniform, so logprob comparisons mean
+    something), cast them to ``dtype`` and write the model and its tokenizer to ``out``."""
+    import torch
+
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
                 param.mul_(5.0)
-    model = model.to(getattr(torch, dtype))
+    if dtype is not None:
+        model = model.to(dtype)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     _tokenizer(vocab_size).save_pretrained(out)
@@ -151,15 +160,7 @@ def make_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0) -> Path:
         tie_word_embeddings=False,
         dtype="float32",
     )
-    model = DeepseekV2ForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.mul_(5.0)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    _tokenizer(512).save_pretrained(out)
-    return out
+    return _save_scaled(DeepseekV2ForCausalLM(config), out, 512)
 
 
 @dataclass(frozen=True)

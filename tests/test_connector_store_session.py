@@ -29,13 +29,17 @@ GEOMETRY = KvGeometry(("l0",), 32, 1024, CHUNK, "t")
 IDENTITY = ModelIdentity("m", "", "float32", 1, 1, tp_size=1, pp_rank=0, pp_size=1)
 
 
-@pytest.fixture
-def store(run_dir: Path) -> Iterator[StoreProcess]:
-    proc = start_store_process(run_dir, "16MiB", env={"KVTIER_STORE__SESSION_TIMEOUT_S": "1.5"})
+def _store(run_dir: Path, **env: str) -> Iterator[StoreProcess]:
+    proc = start_store_process(run_dir, "16MiB", env=env)
     try:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture
+def store(run_dir: Path) -> Iterator[StoreProcess]:
+    yield from _store(run_dir, KVTIER_STORE__SESSION_TIMEOUT_S="1.5")
 
 
 def _request(req_id: str, tokens: list[int]):
@@ -116,11 +120,7 @@ def test_a_save_whose_session_ended_is_never_sent(store: StoreProcess) -> None:
 @pytest.fixture
 def capped_store(run_dir: Path) -> Iterator[StoreProcess]:
     """A store that grants read leases 2 s at most, whatever is asked (max_lease_ttl_s)."""
-    proc = start_store_process(run_dir, "16MiB", env={"KVTIER_STORE__MAX_LEASE_TTL_S": "2"})
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from _store(run_dir, KVTIER_STORE__MAX_LEASE_TTL_S="2")
 
 
 def test_the_granted_lease_ttl_not_the_asked_one_decides_a_load(
