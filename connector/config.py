@@ -53,8 +53,10 @@ class ConnectorConfigError(ValueError):
     pass
 
 
-def parse_extra_config(extra: dict[str, Any] | None, block_size: int) -> KvtierConfig:
-    """The whole config model, ``kv_connector_extra_config`` applied over file and env."""
+def parse_extra_config(extra: dict[str, Any] | None) -> KvtierConfig:
+    """The whole config model, ``kv_connector_extra_config`` applied over file and env. That
+    ``chunk_tokens`` is whole KV blocks is checked against the cache vLLM allocated
+    (``layout.describe``)."""
     extra = dict(extra or {})
     sections: dict[str, Any] = {s: dict(extra.pop(s)) for s in ("store", "index") if s in extra}
     given: set[str] = set()
@@ -76,11 +78,6 @@ def parse_extra_config(extra: dict[str, Any] | None, block_size: int) -> KvtierC
         raise ConnectorConfigError(
             "invalid kv_connector_extra_config for KvtierConnector:\n" + "\n".join(lines)
         ) from None
-    if connector.chunk_tokens % block_size:
-        raise ConnectorConfigError(
-            f"chunk_tokens={connector.chunk_tokens} must be a multiple of vLLM's block_size "
-            f"({block_size})"
-        )
     if "remote" in connector.tiers and not config.index.address:
         raise ConnectorConfigError(
             "tier 'remote' needs index_address (the index says who holds what)"

@@ -131,11 +131,11 @@ def describe(
         raise UnsupportedModel(f"kvtier supports full attention only, not {type(spec).__name__}")
     block_size = spec.block_size
     if chunk_tokens % block_size:
-        # vLLM may size blocks other than cache_config.block_size (MLA kernels, hybrid
-        # models): a chunk must be whole blocks of the cache actually allocated
+        # checked against the KV cache vLLM allocated, not cache_config.block_size: vLLM may
+        # size blocks otherwise (MLA kernels, hybrid models), and a chunk is whole blocks
         raise UnsupportedModel(
-            f"chunk_tokens = {chunk_tokens} is not a multiple of this model's KV block size "
-            f"({block_size} tokens): set chunk_tokens to a multiple of {block_size}"
+            f"chunk_tokens={chunk_tokens} must be a multiple of vLLM's block_size for this "
+            f"model's KV cache: set it to a multiple of {block_size}"
         )
     cache = vllm_config.cache_config
     model = vllm_config.model_config
@@ -246,8 +246,7 @@ def _vllm_version() -> str:
 def _attention_backend(vllm_config: Any) -> str:
     """The backend the operator chose, or "auto" (chosen from what the namespace already
     holds: vLLM version, device architecture, model shape and dtypes)."""
-    attention = getattr(vllm_config, "attention_config", None)
-    backend = getattr(attention, "backend", None) if attention is not None else None
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     return str(getattr(backend, "name", backend) or "auto")
 
 

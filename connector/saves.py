@@ -194,9 +194,7 @@ class SavePlanner:
             # the store ended the session: its write leases are gone and their pages held
             # back (quarantined) by the store; never copy into them
             self._count(C.SAVE_ERRORS, 1)
-            for result in results.values():
-                if result.lease_id:
-                    self._ops.submit(self._quiet_abort, result.lease_id)
+            self._abort_late(alloc.future)
             return None
         geo = self.geometry
         bpc = geo.blocks_per_chunk

@@ -375,11 +375,11 @@ class ConnectorScheduler:
         if outcome.session_generation != self.pool.session_generation:
             # the store ended the session (no heartbeat got through: a frozen store, a starved
             # thread): every lease of it ended at once, whatever its TTL said
-            self._count(C.LEASE_LAPSED_LOADS)
             job.failed = "the store ended the session its leases belonged to"
         elif outcome.lease_lost or self._remaining(outcome) < self._ttl(outcome) / 4:
-            self._count(C.LEASE_LAPSED_LOADS)
             job.failed = "its lease lapsed (or was about to) before the copy"
+        if job.failed:
+            self._count(C.LEASE_LAPSED_LOADS)
 
     def _renew_loading(self) -> None:
         """Keep the leases of loads in flight alive however long the steps take."""

@@ -84,11 +84,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        block_size = vllm_config.cache_config.block_size
         # the whole config model, kv_connector_extra_config applied as its flags
-        self.settings = parse_extra_config(
-            self._kv_transfer_config.kv_connector_extra_config, block_size
-        )
+        self.settings = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.config = with_engine_constraints(
             self.settings.connector, bool(vllm_config.scheduler_config.async_scheduling)
         )

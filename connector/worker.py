@@ -412,7 +412,7 @@ class ConnectorWorker:
             name = pool.segment.name
             pool.close()  # CUDA: unregistered before the memory is unmapped
             pool.segment.close()
-            if pool.segment._mmap.closed:
+            if pool.segment.unmapped:
                 log.info("kvtier worker rank %d: unmapped pool segment %s", self.rank, name)
             else:  # a view of it is still alive: unmapped when that goes
                 log.warning("kvtier: pool segment %s is still referenced, not unmapped", name)

@@ -99,12 +99,7 @@ class StoreCore(StoreState):
     def namespace(self, ns_id: bytes) -> NamespaceInfo:
         """What ``ns_id`` was registered with (UNKNOWN_NAMESPACE: never, or retired). A read
         only: not counted as a use."""
-        info = self._namespaces.get(ns_id)
-        if info is None:
-            raise KvtierError(
-                ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns_id.hex()} is not registered"
-            )
-        return info
+        return self._registered(ns_id)
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -144,14 +144,19 @@ class StoreState:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _use_namespace(self, ns_id: bytes, now: float) -> NamespaceInfo:
-        """The namespace ``ns_id`` (UNKNOWN_NAMESPACE if not registered, or retired), marked
-        used ``now``: not retired for ``namespace_idle_s`` from now."""
+    def _registered(self, ns_id: bytes) -> NamespaceInfo:
+        """What ``ns_id`` was registered with (UNKNOWN_NAMESPACE: never, or retired)."""
         info = self._namespaces.get(ns_id)
         if info is None:
             raise KvtierError(
                 ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns_id.hex()} is not registered"
             )
+        return info
+
+    def _use_namespace(self, ns_id: bytes, now: float) -> NamespaceInfo:
+        """The namespace ``ns_id`` (``_registered``), marked used ``now``: not retired for
+        ``namespace_idle_s`` from now."""
+        info = self._registered(ns_id)
         self._ns_used[ns_id] = now
         self._ns_used.move_to_end(ns_id)
         return info

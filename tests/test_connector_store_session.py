@@ -49,6 +49,14 @@ def _request(req_id: str, tokens: list[int]):
     return Request(req_id, tokens, SamplingParams(max_tokens=1), None)
 
 
+def _looked_up(scheduler: ConnectorScheduler, request) -> tuple[int | None, bool]:
+    """vLLM's answer once the lookup (on a lookup thread: a served store) is back."""
+    deadline = time.monotonic() + 10
+    while (hit := scheduler.get_num_new_matched_tokens(request, 0))[0] is None:
+        assert time.monotonic() < deadline
+    return hit
+
+
 def _freeze_past_session_timeout(store: StoreProcess, pool) -> None:
     before = pool.session_generation
     os.kill(store.proc.pid, signal.SIGSTOP)
@@ -75,9 +83,7 @@ def test_a_load_whose_session_ended_fails_before_the_copy(store: StoreProcess) -
             chunks = [np.zeros(GEOMETRY.chunk_bytes, dtype=np.uint8)] * 4
             writer.put(ns_id, scheduler._requests["seed"].keys(0, 4, CHUNK), chunks)
         request = _request("r", tokens)
-        deadline = time.monotonic() + 10
-        while (hit := scheduler.get_num_new_matched_tokens(request, 0))[0] is None:
-            assert time.monotonic() < deadline
+        hit = _looked_up(scheduler, request)
         assert hit[0] == 4 * CHUNK
         _freeze_past_session_timeout(store, pool)
         scheduler.update_state_after_alloc(request, list(range(16)), hit[0])
@@ -98,9 +104,7 @@ def test_a_save_whose_session_ended_is_never_sent(store: StoreProcess) -> None:
     scheduler.block_ids_of = lambda req_id: list(range(64))
     try:
         request = _request("r", list(range(4, 4 + 4 * CHUNK + 1)))
-        deadline = time.monotonic() + 10
-        while scheduler.get_num_new_matched_tokens(request, 0)[0] is None:
-            assert time.monotonic() < deadline
+        _looked_up(scheduler, request)
         scheduler.update_state_after_alloc(request, [], 0)
         scheduler.saves._alloc.submit(time.sleep, 0.5)  # the allocation answers late...
         meta = scheduler.build_meta([("r", 0, 4 * CHUNK)])
@@ -142,9 +146,7 @@ def test_the_granted_lease_ttl_not_the_asked_one_decides_a_load(
         chunks = [np.zeros(GEOMETRY.chunk_bytes, dtype=np.uint8)] * 4
         pool.put(ns_id, scheduler._requests["seed"].keys(0, 4, CHUNK), chunks)
         request = _request("r", tokens)
-        deadline = time.monotonic() + 10
-        while (hit := scheduler.get_num_new_matched_tokens(request, 0))[0] is None:
-            assert time.monotonic() < deadline
+        hit = _looked_up(scheduler, request)
         assert hit[0] == 4 * CHUNK
         assert scheduler._requests["r"].outcome.lease_ttl_s == 2.0
         time.sleep(2.5)  # the scheduler was slow: the granted lease lapsed

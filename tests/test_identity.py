@@ -232,26 +232,36 @@ def test_hook_errors_are_logged_once_per_cause(caplog: pytest.LogCaptureFixture)
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 2
 
 
-def test_namespace_names_vllm_version_attention_backend_and_device(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Page interiors and numerics differ between vLLM versions, attention backends, GPU
-    architectures and CPU kernel families: each is part of the namespace, and CPUs whose
-    kernel family vLLM cannot name do not all share one name."""
+def _tiny_engine(tmp_path: Path, kv_block_size: int) -> tuple:
+    """A VllmConfig of the tiny model (cache_config.block_size 32) and a one-layer KV cache
+    config whose blocks are ``kv_block_size`` tokens (what vLLM allocated)."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from kvtier.bench.models import make_tiny_llama
-    from kvtier.connector import layout
 
     model = make_tiny_llama(tmp_path / "model")
     config = VllmConfig(
         model_config=ModelConfig(model=str(model), dtype="float32"),
         cache_config=CacheConfig(block_size=32),
     )
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    spec = FullAttentionSpec(
+        block_size=kv_block_size, num_kv_heads=2, head_size=32, dtype=torch.float32
+    )
     kv = KVCacheConfig(1, [], [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    return config, kv
+
+
+def test_namespace_names_vllm_version_attention_backend_and_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Page interiors and numerics differ between vLLM versions, attention backends, GPU
+    architectures and CPU kernel families: each is part of the namespace, and CPUs whose
+    kernel family vLLM cannot name do not all share one name."""
+    from kvtier.connector import layout
+
+    config, kv = _tiny_engine(tmp_path, kv_block_size=32)
 
     def namespace() -> bytes:
         geometry, identity = layout.describe(config, kv, 64, fingerprint=False)
@@ -284,20 +294,9 @@ def test_namespace_names_vllm_version_attention_backend_and_device(
 def test_chunk_tokens_must_be_whole_blocks_of_the_cache_vllm_allocated(tmp_path: Path) -> None:
     """vLLM may allocate blocks other than cache_config.block_size (MLA kernels, hybrid
     models): the check is against the KV cache spec, at start-up, with what to set."""
-    import torch
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    from kvtier.bench.models import make_tiny_llama
     from kvtier.connector.layout import UnsupportedModel, describe
 
-    model = make_tiny_llama(tmp_path / "model")
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="float32"),
-        cache_config=CacheConfig(block_size=32),
-    )
-    spec = FullAttentionSpec(block_size=96, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    kv = KVCacheConfig(1, [], [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    config, kv = _tiny_engine(tmp_path, kv_block_size=96)
     with pytest.raises(UnsupportedModel, match="multiple of 96"):
         describe(config, kv, 64, fingerprint=False)
     describe(config, kv, 192, fingerprint=False)

@@ -165,6 +165,11 @@ class SharedSegment:
         with contextlib.suppress(BufferError):
             self._mmap.close()
 
+    @property
+    def unmapped(self) -> bool:
+        """``close`` unmapped it (False while a view handed out earlier still holds it)."""
+        return self._mmap.closed
+
     def unlink(self) -> None:
         _unlink_quietly(_path(self.name))
 
