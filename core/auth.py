@@ -40,6 +40,9 @@ class Permission(enum.StrEnum):
     INDEX_ADMIN = "index.admin"  # drop/reap locations
     METRICS = "metrics"  # /metrics when not public
     ROUTE = "route"  # send OpenAI requests through the router
+    # callable without a credential: ``Prove`` only (a service proving who it is before the
+    # caller presents its own token), so it must reveal nothing but that proof
+    PUBLIC = "public"
 
 
 P = Permission
@@ -84,6 +87,17 @@ class Principal:
 
 ANONYMOUS = Principal("anonymous", Role.ADMIN)  # no credentials configured (loopback only)
 LOCAL = Principal("local", Role.ADMIN)  # over the node's Unix socket
+# the caller of a PUBLIC method, whoever it is: no role's calls, no tenant's namespaces
+UNAUTHENTICATED = Principal("unauthenticated", Role.CLIENT, frozenset())
+
+PROOF_CONTEXT = b"kvtier-endpoint-proof-v1\0"
+NONCE_BYTES = (16, 64)  # the sizes of challenge a prover accepts
+
+
+def prove(token: str, nonce: bytes) -> bytes:
+    """What a service answers to the challenge ``nonce``: proof that it holds ``token``
+    without revealing it (HMAC keyed by the token's digest, which the verifier holds)."""
+    return hmac.new(_digest(token), PROOF_CONTEXT + nonce, hashlib.sha256).digest()
 
 
 def _digest(token: str) -> bytes:
@@ -114,6 +128,19 @@ class Authenticator:
                 salts = frozenset(s for t in cred.tenants for s in tenant_salts.get(t, ()))
             principal = Principal(cred.name, cred.role, salts)
             self._principals.append((_digest(cred.token.get_secret_value()), principal))
+
+    def verify_proof(self, nonce: bytes, proof: bytes, roles: Iterable[Role]) -> Principal | None:
+        """The credential among ``roles`` whose holder answered ``nonce`` with ``proof``
+        (``prove``), or None. How a caller checks an endpoint it is about to present its own
+        token to: an address anyone could have named proves it is a kvtier service holding
+        such a credential first (docs/security.md, "Dialing")."""
+        wanted = frozenset(roles)
+        found: Principal | None = None
+        for digest, principal in self._principals:  # no early exit, as in ``principal``
+            expected = hmac.new(digest, PROOF_CONTEXT + nonce, hashlib.sha256).digest()
+            if hmac.compare_digest(expected, proof) and principal.role in wanted:
+                found = principal
+        return found
 
     def principal(self, token: str | None, local: bool = False) -> Principal:
         """The caller, or UNAUTHENTICATED. ``local``: the call came over the Unix socket."""

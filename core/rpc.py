@@ -24,7 +24,14 @@ from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
-from kvtier.auth import ANONYMOUS, Authenticator, Permission, Principal, bearer
+from kvtier.auth import (
+    ANONYMOUS,
+    UNAUTHENTICATED,
+    Authenticator,
+    Permission,
+    Principal,
+    bearer,
+)
 from kvtier.config_auth import AuthConfig, TlsConfig
 from kvtier.errors import ErrorCode, KvtierError
 
@@ -222,17 +229,19 @@ class AuthInterceptor(grpc.ServerInterceptor):
         inner = handler.unary_unary
 
         def authorized(request: Any, context: grpc.ServicerContext) -> Any:
-            try:
-                metadata = dict(context.invocation_metadata())
-                principal = self._auth.principal(
-                    bearer(metadata.get("authorization")),
-                    local=context.peer().startswith("unix:"),
-                )
-                if permission is None:
-                    raise KvtierError(ErrorCode.PERMISSION_DENIED, f"{method}: not allowed")
-                principal.require(permission, f"call {method}")
-            except KvtierError as exc:
-                abort(context, exc)
+            principal = UNAUTHENTICATED  # a PUBLIC method's caller, whoever it is
+            if permission is not Permission.PUBLIC:
+                try:
+                    metadata = dict(context.invocation_metadata())
+                    principal = self._auth.principal(
+                        bearer(metadata.get("authorization")),
+                        local=context.peer().startswith("unix:"),
+                    )
+                    if permission is None:
+                        raise KvtierError(ErrorCode.PERMISSION_DENIED, f"{method}: not allowed")
+                    principal.require(permission, f"call {method}")
+                except KvtierError as exc:
+                    abort(context, exc)
             token = _CALLER.set(principal)
             try:
                 return inner(request, context)
@@ -277,6 +286,8 @@ class ServerSecurity:
     authenticator: Authenticator
     permissions: Mapping[str, Permission]
     tls: TlsConfig | None = None
+    # this service's own token: what it proves holding to a caller about to dial it (``Prove``)
+    own_token: str | None = None
 
 
 def start_server(

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from kvtier import rpc
-from kvtier.auth import Permission
+from kvtier.auth import NONCE_BYTES, Permission, prove
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.keys import Namespace, unpack_keys
 from kvtier.store.api import StoreClient
@@ -34,6 +34,7 @@ P = Permission
 # Who may call what (docs/security.md). A method missing here is refused to everyone.
 STORE_PERMISSIONS: Mapping[str, Permission] = {
     "Info": P.STORE_INFO,
+    "Prove": P.PUBLIC,  # before a caller presents its token here (docs/security.md)
     "RegisterNamespace": P.STORE_DATA,
     "Lookup": P.STORE_DATA,
     "Allocate": P.STORE_DATA,
@@ -86,8 +87,10 @@ class TenantGate:
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
-    def __init__(self, store: StoreClient) -> None:
+    def __init__(self, store: StoreClient, own_token: str | None = None) -> None:
+        """``own_token``: this store's credential, proved (never sent) to ``Prove`` callers."""
         self.store = store
+        self._own_token = own_token
         self.epoch = store.info().epoch
         self.tenants = TenantGate()
 
@@ -115,6 +118,15 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             lease_ttl_s=info.lease_ttl_s,
             session_timeout_s=info.session_timeout_s,
         )
+
+    @rpc.handler
+    def Prove(self, request: pb.ProveRequest, context: grpc.ServicerContext) -> pb.ProveReply:
+        low, high = NONCE_BYTES
+        if not low <= len(request.nonce) <= high:
+            raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"a nonce is {low}-{high} bytes")
+        if self._own_token is None:
+            return pb.ProveReply()
+        return pb.ProveReply(proof=prove(self._own_token, request.nonce))
 
     @rpc.handler
     def RegisterNamespace(
@@ -280,7 +292,7 @@ def start_grpc_server(
 ) -> tuple[grpc.Server, int]:
     """Serve ``store`` on host:port (port 0 picks a free one) and ``unix_socket``. Returns
     (server, bound port). ``security``: who may call what (``STORE_PERMISSIONS``)."""
-    servicer = StoreServicer(store)
+    servicer = StoreServicer(store, security.own_token if security is not None else None)
     return rpc.start_server(
         [(store_pb2_grpc.add_StoreServicer_to_server, servicer)],
         host,

@@ -73,7 +73,10 @@ class StoreService:
         }
         authenticator = Authenticator(auth, tenant_salts)
         security = rpc.ServerSecurity(
-            authenticator, STORE_PERMISSIONS, auth.tls if auth.tls.enabled else None
+            authenticator,
+            STORE_PERMISSIONS,
+            auth.tls if auth.tls.enabled else None,
+            own_token=auth.client_token(),
         )
         client_auth = rpc.ClientAuth.from_config(auth)
         # Port 0 (pick a free one) is not an identity; the pid is.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -28,6 +29,8 @@ from typing import Any, TypeVar
 import grpc
 
 from kvtier import rpc
+from kvtier.auth import Authenticator, Principal
+from kvtier.config_auth import Role
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.keys import Namespace, pack_keys, unpack_keys
 from kvtier.store.api import StoreClient, StoreInfo
@@ -52,13 +55,19 @@ class GrpcStoreClient(StoreClient):
         timeout_s: float = 10.0,
         lazy: bool = False,
         auth: rpc.ClientAuth | None = None,
+        verify: Authenticator | None = None,
     ) -> None:
         """``address``: ``host:port`` or ``unix:/path`` (the node's socket: no token needed).
         ``lazy``: do not fail when the store is not reachable yet (an engine may start
         before its node store); every call then answers UNAVAILABLE until it is. ``auth``:
-        the token / TLS this client presents."""
+        the token / TLS this client presents. ``verify``: the address came from someone
+        else (an announcement, a peer list): the store must prove a node credential known
+        to this authenticator before ``auth``'s token is sent there (``verify_store``)."""
         self.address = address
         self.timeout_s = timeout_s
+        self.proved: Principal | None = None
+        if verify is not None:
+            self.proved = verify_store(address, auth, verify, timeout_s)
         self._channel = rpc.open_channel(address, auth)
         self._stub = store_pb2_grpc.StoreStub(self._channel)
         self._info: StoreInfo | None = None
@@ -399,6 +408,50 @@ class GrpcStoreClient(StoreClient):
                 timeout = min(self.timeout_s, CLOSE_SESSION_TIMEOUT_S)
                 self._call("CloseSession", request, timeout=timeout)
         self._channel.close()  # a heartbeat in flight is cancelled; the thread then stops
+
+
+def verify_store(
+    address: str, auth: rpc.ClientAuth | None, verifier: Authenticator, timeout_s: float
+) -> Principal | None:
+    """Check that the store at ``address`` holds a node credential before this process
+    presents its own token there: a challenge answered with ``kvtier.auth.prove``, sent
+    with no token. Returns the proved node credential (None: nothing secret to present, or
+    the node's Unix socket). Raises PERMISSION_DENIED when the endpoint cannot prove one,
+    UNAVAILABLE when it does not answer.
+
+    Why: the index and the stores dial addresses that others announce; an address pointing
+    at an attacker's server must not collect the index's or a node's token (issue: a tenant
+    engine that registered its own endpoint received the index token)."""
+    if auth is None or not auth.token or address.startswith("unix:"):
+        return None
+    if not verifier.enabled:
+        raise KvtierError(
+            ErrorCode.PERMISSION_DENIED,
+            f"not presenting this process's credential to store {address}: it has no "
+            "credentials table to check the store's proof against (configure auth.credentials "
+            "with the node credentials, as the services that accept them have)",
+        )
+    nonce = secrets.token_bytes(32)
+    channel = rpc.open_channel(address, rpc.ClientAuth(None, auth.tls))
+    try:
+        reply = store_pb2_grpc.StoreStub(channel).Prove(
+            pb.ProveRequest(nonce=nonce), timeout=timeout_s
+        )
+    except grpc.RpcError as exc:
+        error = rpc.error_from_rpc(exc, f"store {address}")
+        if error.code is ErrorCode.UNAVAILABLE:
+            raise error from None
+        raise KvtierError(
+            ErrorCode.PERMISSION_DENIED, f"store {address} did not prove a node credential"
+        ) from None
+    finally:
+        channel.close()
+    proved = verifier.verify_proof(nonce, reply.proof, (Role.NODE, Role.ADMIN))
+    if proved is None:
+        raise KvtierError(
+            ErrorCode.PERMISSION_DENIED, f"store {address} did not prove a node credential"
+        )
+    return proved
 
 
 def _heartbeat_loop(

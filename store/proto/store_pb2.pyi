@@ -425,3 +425,15 @@ class FetchReply(_message.Message):
     present: bytes
     message: str
     def __init__(self, status: _Optional[_Union[FetchStatus, str]] = ..., local: _Optional[int] = ..., fetched: _Optional[int] = ..., bytes: _Optional[int] = ..., holder_hits: _Optional[int] = ..., checksum_mismatches: _Optional[int] = ..., present: _Optional[bytes] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ProveRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class ProveReply(_message.Message):
+    __slots__ = ("proof",)
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    def __init__(self, proof: _Optional[bytes] = ...) -> None: ...

@@ -39,6 +39,11 @@ class StoreStub:
                 request_serializer=store__pb2.InfoRequest.SerializeToString,
                 response_deserializer=store__pb2.InfoReply.FromString,
                 _registered_method=True)
+        self.Prove = channel.unary_unary(
+                '/kvtier.store.v1.Store/Prove',
+                request_serializer=store__pb2.ProveRequest.SerializeToString,
+                response_deserializer=store__pb2.ProveReply.FromString,
+                _registered_method=True)
         self.RegisterNamespace = channel.unary_unary(
                 '/kvtier.store.v1.Store/RegisterNamespace',
                 request_serializer=store__pb2.RegisterNamespaceRequest.SerializeToString,
@@ -130,6 +135,12 @@ class StoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prove(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -246,6 +257,11 @@ def add_StoreServicer_to_server(servicer, server):
                     request_deserializer=store__pb2.InfoRequest.FromString,
                     response_serializer=store__pb2.InfoReply.SerializeToString,
             ),
+            'Prove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prove,
+                    request_deserializer=store__pb2.ProveRequest.FromString,
+                    response_serializer=store__pb2.ProveReply.SerializeToString,
+            ),
             'RegisterNamespace': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterNamespace,
                     request_deserializer=store__pb2.RegisterNamespaceRequest.FromString,
@@ -359,6 +375,33 @@ class Store:
             '/kvtier.store.v1.Store/Info',
             store__pb2.InfoRequest.SerializeToString,
             store__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.store.v1.Store/Prove',
+            store__pb2.ProveRequest.SerializeToString,
+            store__pb2.ProveReply.FromString,
             options,
             channel_credentials,
             insecure,
