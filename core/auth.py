@@ -1,14 +1,16 @@
 """Who is calling, and may they: the one authorization model of every kvtier service.
 
 A call arrives with a bearer token (gRPC ``authorization`` metadata, HTTP ``Authorization``
-header), over a Unix socket, or with nothing. ``Authenticator.principal`` turns that into a
-``Principal``: a role (what calls it may make, ``ROLE_PERMISSIONS``) and, for a tenant's
-engine, the namespaces it may touch (by ``Namespace.cache_salt``, the salt digest).
+header), with a client certificate the TLS handshake verified (mTLS), over a Unix socket, or
+with nothing. ``Authenticator.principal`` turns that into a ``Principal``: a role (what calls
+it may make, ``ROLE_PERMISSIONS``) and, for a tenant's engine, the namespaces it may touch (by
+``Namespace.cache_salt``, the salt digest).
 
 Rules (docs/security.md draws the trust boundary they follow):
 - No credentials configured: every caller is the anonymous admin. Protected mode
   (``check_exposure``) guarantees such a service listens on loopback or a Unix socket only.
-- Credentials configured: a TCP caller must present a known token, also on loopback.
+- Credentials configured: a TCP caller must present a known token, also on loopback, or
+  (no token) a verified certificate whose identity a credential names (``tls_identity``).
 - A Unix-socket caller is the node's own (the socket lives in a 0700 directory of the store's
   uid, so the kernel has checked its uid): the local admin.
 Tokens are compared as SHA-256 digests in constant time; a token never reaches a log.
@@ -22,6 +24,7 @@ import hmac
 import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier.config_auth import AuthConfig, Role
 from kvtier.errors import ErrorCode, KvtierError
@@ -115,6 +118,10 @@ class Authenticator:
         self.enabled = config.enabled
         tenant_salts = tenant_salts or {}
         self._principals: list[tuple[bytes, Principal]] = []
+        # certificate identity -> principal; only ever consulted for a certificate the TLS
+        # handshake verified against auth.tls.ca_file (``check_exposure`` refuses a server
+        # with such credentials whose listener does not verify client certificates)
+        self._identities: dict[str, Principal] = {}
         for cred in config.all_credentials():
             salts: frozenset[str] | None = None
             if cred.tenants:
@@ -127,7 +134,10 @@ class Authenticator:
                     )
                 salts = frozenset(s for t in cred.tenants for s in tenant_salts.get(t, ()))
             principal = Principal(cred.name, cred.role, salts)
-            self._principals.append((_digest(cred.token.get_secret_value()), principal))
+            if cred.token is not None:
+                self._principals.append((_digest(cred.token.get_secret_value()), principal))
+            if cred.tls_identity is not None and config.tls.verifies_clients:
+                self._identities[cred.tls_identity] = principal
 
     def verify_proof(self, nonce: bytes, proof: bytes, roles: Iterable[Role]) -> Principal | None:
         """The credential among ``roles`` whose holder answered ``nonce`` with ``proof``
@@ -142,14 +152,19 @@ class Authenticator:
                 found = principal
         return found
 
-    def principal(self, token: str | None, local: bool = False) -> Principal:
-        """The caller, or UNAUTHENTICATED. ``local``: the call came over the Unix socket."""
+    def principal(
+        self, token: str | None, local: bool = False, certificate: Iterable[str] = ()
+    ) -> Principal:
+        """The caller, or UNAUTHENTICATED. ``local``: the call came over the Unix socket.
+        ``certificate``: the identities (common name, DNS and URI subject alternative names)
+        of the client certificate the TLS handshake verified, if any. A token, when
+        presented, decides: an unknown one is refused even with a known certificate."""
         if local:
             return LOCAL
         if not self.enabled:
             return ANONYMOUS
         if not token:
-            raise KvtierError(ErrorCode.UNAUTHENTICATED, "this service requires a credential")
+            return self._by_certificate(certificate)
         presented = _digest(token)
         found: Principal | None = None
         for digest, principal in self._principals:  # no early exit: constant time per table
@@ -158,6 +173,30 @@ class Authenticator:
         if found is None:
             raise KvtierError(ErrorCode.UNAUTHENTICATED, "unknown credential")
         return found
+
+    def _by_certificate(self, identities: Iterable[str]) -> Principal:
+        found = {self._identities[i] for i in identities if i in self._identities}
+        if not found:
+            raise KvtierError(ErrorCode.UNAUTHENTICATED, "this service requires a credential")
+        if len(found) > 1:  # e.g. its CN names one credential, a SAN another: none is meant
+            names = sorted(p.name for p in found)
+            raise KvtierError(
+                ErrorCode.UNAUTHENTICATED,
+                f"the client certificate matches several credentials ({', '.join(names)})",
+            )
+        return found.pop()
+
+
+def peer_certificate_identities(peercert: Mapping[str, Any] | None) -> list[str]:
+    """The identities a ``tls_identity`` credential may name, from a client certificate as
+    ``ssl.SSLObject.getpeercert()`` gives it (a verified one: the server's context has
+    ``CERT_REQUIRED`` and ``auth.tls.ca_file``): common names, DNS and URI subject
+    alternative names. For HTTP servers; gRPC's come from ``kvtier.rpc``."""
+    if not peercert:
+        return []
+    names = [v for rdn in peercert.get("subject", ()) for k, v in rdn if k == "commonName"]
+    names += [v for k, v in peercert.get("subjectAltName", ()) if k in ("DNS", "URI")]
+    return names
 
 
 def bearer(value: str | None) -> str | None:
@@ -179,13 +218,44 @@ def is_private_bind(host: str) -> bool:
 
 
 def check_exposure(service: str, hosts: Iterable[str], config: AuthConfig) -> None:
-    """Protected mode, as Redis does it: refuse to listen beyond loopback without auth."""
-    exposed = [h for h in hosts if not is_private_bind(h)]
-    if exposed and not config.enabled and config.protected_mode:
+    """Before a service listens on ``hosts``: refuse an auth config that cannot work
+    (credentials naming certificates on a listener that verifies none) and, as Redis does it
+    (protected mode), refuse to listen beyond loopback without a credential that can
+    actually authenticate a caller."""
+    certified = [c.name for c in config.all_credentials() if c.tls_identity is not None]
+    if certified and not config.tls.verifies_clients:
         raise KvtierError(
             ErrorCode.INVALID_ARGUMENT,
-            f"{service}: refusing to listen on {', '.join(exposed)} without authentication "
-            "(protected mode). Configure credentials ([[auth.credentials]] in the config "
-            "file, auth.credentials_file, or KVTIER_AUTH__CREDENTIALS) or mTLS (auth.tls), or "
-            "bind 127.0.0.1 / a Unix socket. See docs/security.md.",
+            f"{service}: auth credentials {certified} name a tls_identity, which only a "
+            "listener that verifies client certificates can check: set auth.tls.cert_file, "
+            "auth.tls.key_file (this server's certificate) and auth.tls.ca_file (who signs "
+            "the clients'). See docs/security.md.",
         )
+    exposed = [h for h in hosts if not is_private_bind(h)]
+    if not exposed or not config.protected_mode or config.authenticating_credentials():
+        return
+    if config.tls.verifies_clients:
+        why = (
+            "mTLS verifies client certificates, but no credential names one: add "
+            "[[auth.credentials]] with a tls_identity (a certificate's CN or DNS/URI SAN) "
+            "and a role, or token credentials"
+        )
+    elif config.tls.ca_file is not None:
+        why = (
+            "auth.tls.ca_file alone is not a credential: without auth.tls.cert_file and "
+            "key_file the listener is plaintext and verifies no certificate. Configure "
+            "credentials ([[auth.credentials]] in the config file, auth.credentials_file, or "
+            "KVTIER_AUTH__CREDENTIALS), or mTLS with all three auth.tls files and "
+            "tls_identity credentials"
+        )
+    else:
+        why = (
+            "Configure credentials ([[auth.credentials]] in the config file, "
+            "auth.credentials_file, or KVTIER_AUTH__CREDENTIALS), or mTLS (auth.tls "
+            "cert_file, key_file and ca_file, with tls_identity credentials)"
+        )
+    raise KvtierError(
+        ErrorCode.INVALID_ARGUMENT,
+        f"{service}: refusing to listen on {', '.join(exposed)} without authentication "
+        f"(protected mode). {why}; or bind 127.0.0.1 / a Unix socket. See docs/security.md.",
+    )

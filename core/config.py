@@ -56,6 +56,7 @@ class KvtierConfig(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         validate_assignment=True,
+        hide_input_in_errors=True,  # errors name the field, never echo a value (Section)
     )
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -1,12 +1,17 @@
-"""Logging set-up shared by every kvtier command."""
+"""Logging set-up shared by every kvtier command, and ``Throttled``: a log line per cause, not
+per request, for what callers control."""
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+import threading
+import time
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
 
-from kvtier.config import KvtierConfig
+if TYPE_CHECKING:  # a type only: kvtier.rpc imports this module, and needs no config
+    from kvtier.config import KvtierConfig
 
 
 def setup_logging(config: KvtierConfig) -> None:
@@ -26,3 +31,31 @@ def console() -> Any:
     from rich.console import Console
 
     return Console() if sys.stdout.isatty() else Console(width=250)
+
+
+class Throttled:
+    """Logs a warning at most once per ``key`` per ``interval_s`` and says, the next time,
+    how many it held back. For what a caller decides (malformed requests, say): one line per
+    request would let anyone fill the disk and drown every other line. Thread-safe."""
+
+    MAX_KEYS = 1024  # keys are causes (method, error type), few; forget them all past this
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 60.0) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._seen: dict[Hashable, tuple[float, int]] = {}  # key -> (logged at, held back)
+
+    def warning(self, key: Hashable, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            logged_at, held = self._seen.get(key, (None, 0))
+            if logged_at is not None and now - logged_at < self._interval_s:
+                self._seen[key] = (logged_at, held + 1)
+                return
+            if len(self._seen) >= self.MAX_KEYS:
+                self._seen.clear()
+            self._seen[key] = (now, 0)
+        if held:
+            message += f" ({held} more like it since the last such line)"
+        self._logger.warning(message, *args)

@@ -15,12 +15,12 @@ import functools
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import grpc
 
@@ -34,6 +34,7 @@ from kvtier.auth import (
 )
 from kvtier.config_auth import AuthConfig, TlsConfig
 from kvtier.errors import ErrorCode, KvtierError
+from kvtier.logs import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +80,11 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> KvtierError:
     return KvtierError(ErrorCode.INTERNAL, f"{status.name}: {call.details()}")
 
 
-def abort(context: grpc.ServicerContext, exc: KvtierError) -> None:
+def abort(context: grpc.ServicerContext, exc: KvtierError) -> NoReturn:
+    """End the call with ``exc``'s status and kvtier code (raises: the handler stops)."""
     context.set_trailing_metadata(((ERROR_METADATA_KEY, exc.code.value),))
     context.abort(grpc_status(exc.code), exc.message)
+    raise AssertionError("grpc's abort returned")  # it raises; this tells type checkers
 
 
 S = TypeVar("S")
@@ -211,12 +214,26 @@ def caller() -> Principal:
     return _CALLER.get()
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
-    """Authenticates every call and checks its method's permission before the handler runs;
-    the handler then finds the caller in ``caller()``. A method missing from
-    ``permissions`` is refused: a new RPC is closed until someone decides who may call it."""
+# what a malformed request logs: one line per method and error type a minute, no traceback
+# (the bytes are the caller's doing, not a bug here; a traceback each would be a log flood)
+_malformed_log = Throttled(log)
 
-    def __init__(self, authenticator: Authenticator, permissions: Mapping[str, Permission]):
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Judges every call before a byte of its request body is read, then decodes the body
+    and runs the handler, which finds the caller in ``caller()``. ``authenticator`` None: no
+    judging (every caller is ``ANONYMOUS``), only the decoding. A method missing from
+    ``permissions`` is refused: a new RPC is closed until someone decides who may call it.
+
+    Why the handler it returns is client-streaming: gRPC reads and decodes a unary call's
+    request before any handler or interceptor sees the call's peer, so an anonymous 60 MiB
+    request used to be received and parsed (hundreds of MiB of Python objects) only to be
+    refused. On the wire a unary call and a one-message client stream are the same; as a
+    stream, the body is pulled (``next(requests)``) only once the caller is admitted, as raw
+    bytes, and decoded here: malformed bytes answer INVALID_ARGUMENT with a throttled line
+    in the log, instead of INTERNAL and a traceback per call."""
+
+    def __init__(self, authenticator: Authenticator | None, permissions: Mapping[str, Permission]):
         self._auth = authenticator
         self._permissions = permissions
 
@@ -225,34 +242,77 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if handler is None or handler.unary_unary is None:
             return handler  # kvtier's services are unary; anything else is not ours
         method = details.method.rsplit("/", 1)[-1]
-        permission = self._permissions.get(method)
         inner = handler.unary_unary
+        deserialize = handler.request_deserializer
 
-        def authorized(request: Any, context: grpc.ServicerContext) -> Any:
-            principal = UNAUTHENTICATED  # a PUBLIC method's caller, whoever it is
-            if permission is not Permission.PUBLIC:
-                try:
-                    metadata = dict(context.invocation_metadata())
-                    principal = self._auth.principal(
-                        bearer(metadata.get("authorization")),
-                        local=context.peer().startswith("unix:"),
-                    )
-                    if permission is None:
-                        raise KvtierError(ErrorCode.PERMISSION_DENIED, f"{method}: not allowed")
-                    principal.require(permission, f"call {method}")
-                except KvtierError as exc:
-                    abort(context, exc)
+        def judged(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            principal = self._judge(method, context)
+            request = _decode(method, requests, deserialize, context)
             token = _CALLER.set(principal)
             try:
                 return inner(request, context)
             finally:
                 _CALLER.reset(token)
 
-        return grpc.unary_unary_rpc_method_handler(
-            authorized,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+        return grpc.stream_unary_rpc_method_handler(
+            judged, request_deserializer=None, response_serializer=handler.response_serializer
         )
+
+    def _judge(self, method: str, context: grpc.ServicerContext) -> Principal:
+        """The caller of ``method``, or the call aborted (UNAUTHENTICATED/PERMISSION_DENIED)."""
+        if self._auth is None:
+            return ANONYMOUS
+        permission = self._permissions.get(method)
+        if permission is Permission.PUBLIC:
+            return UNAUTHENTICATED  # a PUBLIC method's caller, whoever it is
+        try:
+            metadata = dict(context.invocation_metadata())
+            principal = self._auth.principal(
+                bearer(metadata.get("authorization")),
+                local=context.peer().startswith("unix:"),
+                certificate=certificate_identities(context),
+            )
+            if permission is None:
+                raise KvtierError(ErrorCode.PERMISSION_DENIED, f"{method}: not allowed")
+            principal.require(permission, f"call {method}")
+        except KvtierError as exc:
+            abort(context, exc)
+        return principal
+
+
+def certificate_identities(context: grpc.ServicerContext) -> list[str]:
+    """The identities of the client certificate this call's TLS handshake verified (against
+    ``auth.tls.ca_file``; a server with a CA file requires one): its common name and its DNS
+    and URI subject alternative names. Empty for a plaintext or Unix-socket call."""
+    auth_context = context.auth_context() or {}
+    if auth_context.get("transport_security_type") != [b"ssl"]:
+        return []
+    names: list[str] = []
+    for key in ("x509_common_name", "peer_dns", "peer_uri"):
+        names += [v.decode("utf-8", "replace") for v in auth_context.get(key, ())]
+    return names
+
+
+def _decode(
+    method: str,
+    requests: Iterator[bytes],
+    deserialize: Callable[[bytes], Any] | None,
+    context: grpc.ServicerContext,
+) -> Any:
+    """The one request message of a unary call, decoded; malformed: INVALID_ARGUMENT."""
+    raw = next(requests, None)
+    if raw is None:
+        abort(context, KvtierError(ErrorCode.INVALID_ARGUMENT, f"{method}: no request"))
+    if deserialize is None:
+        return raw
+    try:
+        return deserialize(raw)
+    except Exception as exc:  # a protobuf DecodeError: whatever the bytes were, not a bug
+        cause = type(exc).__name__
+        _malformed_log.warning(
+            (method, cause), "malformed %s request from %s: %s", method, context.peer(), cause
+        )
+        abort(context, KvtierError(ErrorCode.INVALID_ARGUMENT, f"{method}: malformed request"))
 
 
 def prepare_socket_dir(path: Path) -> None:
@@ -303,9 +363,12 @@ def start_server(
     """Serve ``services`` ((add_XServicer_to_server, servicer) pairs) on host:port (port 0
     picks a free one) and, with ``unix_socket``, on that socket too. Returns (server, bound
     TCP port)."""
-    interceptors = []
-    if security is not None:
-        interceptors.append(AuthInterceptor(security.authenticator, security.permissions))
+    # always one: it also decodes requests (malformed ones answer INVALID_ARGUMENT)
+    interceptors = [
+        AuthInterceptor(security.authenticator, security.permissions)
+        if security is not None
+        else AuthInterceptor(None, {})
+    ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name),
         interceptors=interceptors,
