@@ -82,8 +82,12 @@ def _timed(fn: Callable[[int], None], iters: int, after: Callable[[int], None] |
 
 
 @contextlib.contextmanager
-def store_process(run_dir: Path, capacity: int, node_id: str) -> Iterator[dict]:
-    store = start_store(run_dir, str(capacity), node_id, remote=True)
+def store_process(
+    run_dir: Path, capacity: int, node_id: str, peers: tuple[str, ...] = ()
+) -> Iterator[dict]:
+    """``peers``: the stores it may fetch from (``store.remote.peers``)."""
+    extra = ("--peers", ",".join(peers)) if peers else ()
+    store = start_store(run_dir, str(capacity), node_id, remote=True, extra=extra)
     try:
         yield store.ready
     finally:
@@ -301,7 +305,9 @@ def run(
         tmp_path = Path(tmp)
         with (
             store_process(tmp_path, capacity, "bench-holder") as holder,
-            store_process(tmp_path, batch * biggest + (64 << 20), "bench-puller") as puller,
+            store_process(
+                tmp_path, batch * biggest + (64 << 20), "bench-puller", (holder["grpc"],)
+            ) as puller,
         ):
             raw = RawEngine(local)
             transport = MooncakeTransport(RemoteConfig(enabled=True))

@@ -200,8 +200,8 @@ def _run_remote(
 
     run_dir = tmp / "remote"
     capacity = "4GiB"
-    a = start_store(run_dir, capacity, "node-a")
     b = start_store(run_dir, capacity, "node-b")
+    a = start_store(run_dir, capacity, "node-a", extra=("--peers", b.address))  # pulls from B
     index = start_index([a, b])
     try:
 

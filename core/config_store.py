@@ -93,7 +93,17 @@ class RemoteConfig(Section):
         "ERROR", description="engine log level (MC_LOG_LEVEL)"
     )
     peers: list[str] = Field(
-        default_factory=list, description="gRPC host:port of peer stores (demotion targets)"
+        default_factory=list,
+        description="gRPC host:port of peer stores: besides the node stores the index lists "
+        "(index.address), the only holders a fetch may pull from (each proves a node "
+        "credential first), and the demotion targets. Written exactly as fetches name them "
+        "(no name resolution when comparing)",
+    )
+    peer_refresh_s: float = Field(
+        10.0,
+        gt=0,
+        description="how often the node stores the index lists are re-read (and at most once "
+        "a second when a fetch names a holder not listed yet)",
     )
     demotion: DemotionConfig = Field(default_factory=DemotionConfig)
 
@@ -206,6 +216,23 @@ class StoreConfig(Section):
         "leases (a killed engine frees its pins in seconds, not at lease expiry)",
     )
     max_sessions: int = Field(65536, ge=1, description="open client sessions at most")
+    max_leases_per_session: int = Field(
+        16384,
+        ge=1,
+        description="leases (read and write) one client session holds at once; one more is "
+        "refused with LIMIT_EXCEEDED until it releases some. Each costs the store memory. "
+        "A vLLM connector holds about two per running request and TP rank (its lookup and a "
+        "staging lookup): the default covers 1024 sequences at TP 8. Leases over gRPC "
+        "always belong to a session (a lease asked for without one is refused)",
+    )
+    max_leased_chunks_per_session: int = Field(
+        1 << 20,
+        ge=1,
+        description="chunks one client session holds under its leases at once (a chunk "
+        "pinned by two leases counts twice; ~8 bytes of store memory each); past it a lookup "
+        "that would lease, or an allocate, is refused with LIMIT_EXCEEDED. The default "
+        "covers 256 sequences of 128k-token prompts (512 chunks of 256 tokens) at TP 8",
+    )
     max_batch_keys: int = Field(
         16384,
         ge=1,

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 KEY_BYTES = 16
 NAMESPACE_DOMAIN = b"kvtier/ns/v3\n"
@@ -32,6 +32,16 @@ SALT_DOMAIN = b"kvtier/salt/v2\n"
 ChunkKey = bytes  # 16 bytes
 
 _TOKEN_LIMIT = 1 << 32
+
+# Bounds on a namespace definition. Not part of the key spec (no key of a definition within
+# them changes): they refuse definitions no engine makes. Every store and index keeps each
+# registered definition in memory, and ``max_namespaces`` bounds their count, not their size:
+# unbounded, five 40 MiB definitions grew a store by 234 MiB (docs/security.md, "Limits").
+MAX_NAME_BYTES = 512  # model, revision, kv_layout, tag: names, paths, composite descriptions
+MAX_FIELD_BYTES = 128  # dtype, cache_salt and the fingerprints: short by construction
+MAX_NAMESPACE_INT = (1 << 31) - 1  # layers, heads, sizes, ranks, chunk tokens
+MAX_NAMESPACE_JSON_BYTES = 16 << 10  # a registration's JSON, checked before it is parsed
+_NAME_FIELDS = frozenset({"model", "revision", "kv_layout", "tag"})
 
 
 class Namespace(BaseModel):
@@ -82,6 +92,21 @@ class Namespace(BaseModel):
     def _single_line(cls, value: Any) -> Any:
         if isinstance(value, str) and ("\n" in value or "\r" in value):
             raise ValueError("namespace fields must not contain line breaks")
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse a field past its bound (``MAX_NAME_BYTES``, ``MAX_FIELD_BYTES``,
+        ``MAX_NAMESPACE_INT``), with an error that names the field and its bound."""
+        name = info.field_name
+        if isinstance(value, str):
+            limit = MAX_NAME_BYTES if name in _NAME_FIELDS else MAX_FIELD_BYTES
+            size = len(value.encode("utf-8", "surrogatepass"))
+            if size > limit:
+                raise ValueError(f"namespace field {name} is {size} bytes, at most {limit}")
+        elif isinstance(value, int) and value > MAX_NAMESPACE_INT:
+            raise ValueError(f"namespace field {name} is at most {MAX_NAMESPACE_INT}")
         return value
 
     def canonical_bytes(self) -> bytes:

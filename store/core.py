@@ -10,6 +10,10 @@ COMMITTED (readable). Rules enforced here:
 - Pinned (read-leased) and WRITING chunks are never evicted; a deleted chunk that is still
   pinned is unlinked at once (no new reader finds it) and its pages freed at the last unpin.
 - Duplicate allocations of a stored key are idempotent: EXISTS, no second copy.
+- A key held under another namespace answers as absent (``_held_by``): a lookup misses there,
+  a delete skips it, an allocate answers NO_SPACE for it. Namespace ids are no secret, so
+  anyone can compute another namespace's keys; an error naming the owner would tell whether
+  someone else holds a prompt.
 - Every lease expires, so a client that dies leaks nothing; a lease taken under a client
   session also ends with it (``kvtier.store.sessions``): a killed client's pins go within
   ``session_timeout_s``. No lease lives past ``max_lease_lifetime_s``, renewals included.
@@ -126,20 +130,21 @@ class StoreCore(StoreState):
             stop = LookupStatus.HIT
             for key in keys:
                 entry = self._table.get(key)
-                if entry is None:
+                if not self._held_by(entry, ns_id):  # absent, or another namespace's
                     stop = LookupStatus.MISS
                     break
-                self._check_owner(entry, ns_id)
                 if entry.state is not ChunkState.COMMITTED:
                     stop = LookupStatus.PENDING
                     break
                 hits.append(entry)
-            for entry in hits:
-                entry.last_access = now
-                self._book.policy.touch(entry.key)
             lease_id, granted = 0, 0.0
             if lease_ttl_s is not None and hits:
                 ttl = self._ttl(lease_ttl_s)
+                self._check_lease_room(session, len(hits))  # before anything changes
+            for entry in hits:
+                entry.last_access = now
+                self._book.policy.touch(entry.key)
+            if lease_ttl_s is not None and hits:
                 for entry in hits:
                     self._book.pin(entry)
                 lease_id = self._new_lease(LeaseKind.READ, hits, now, ttl, session)
@@ -161,11 +166,7 @@ class StoreCore(StoreState):
             out = []
             for key in keys:
                 entry = self._table.get(key)
-                out.append(
-                    entry is not None
-                    and entry.namespace == ns_id
-                    and entry.state is ChunkState.COMMITTED
-                )
+                out.append(self._held_by(entry, ns_id) and entry.state is ChunkState.COMMITTED)
             return out
 
     def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
@@ -228,20 +229,6 @@ class StoreCore(StoreState):
             self.counters["sessions_closed"] += 1
             return self._end_session(session)
 
-    def bind_session(self, lease_id: int, session: int) -> None:
-        """Make a lease taken without a session (the remote tier's) end with ``session`` too.
-        If the session is not open the lease ends now and UNKNOWN_SESSION is raised."""
-        if not session:
-            return
-        with self._lock:
-            self._reap(self._clock())
-            lease = self._get_lease(lease_id)
-            if session not in self._sessions:
-                self._leases.pop(lease_id)
-                self._end_lease(lease, "session_released")
-                self._check_session(session)
-            self._leases.bind(lease, session)
-
     # -- writes ------------------------------------------------------------------------------
 
     def allocate(
@@ -257,7 +244,8 @@ class StoreCore(StoreState):
         also ends with ``session`` (UNKNOWN_SESSION if it is not open). A batch asking for
         more than ``max_batch_fraction`` of the pool that does not fit in free space is
         refused whole (LIMIT_EXCEEDED), before anything is evicted. A tenant at its quota
-        evicts its own coldest chunks first; a chunk it still cannot fit is NO_SPACE."""
+        evicts its own coldest chunks first; a chunk it still cannot fit is NO_SPACE. Past the
+        session's lease bounds (``StoreLimits``) it is refused whole (LIMIT_EXCEEDED)."""
         self.limits.check_batch(len(keys))
         check_keys(keys)
         if len(sizes) != len(keys):
@@ -277,15 +265,10 @@ class StoreCore(StoreState):
                         f"stores {info.chunk_bytes}-byte chunks",
                     )
             self._reap(now)  # first: chunks of expired write leases are fresh again
-            fresh = 0
-            for key in keys:
-                entry = self._table.get(key)
-                if entry is not None:
-                    self._check_owner(entry, ns_id)
-                else:
-                    fresh += 1
+            fresh = sum(1 for key in keys if not self._held_by(self._table.get(key), ns_id))
             self._check_session(session)
             ttl = self._ttl(ttl_s if ttl_s is not None else self.write_ttl_s)
+            self._check_lease_room(session, fresh)
             pages_each = -(-info.chunk_bytes // self.page_size)
             self.limits.check_share(
                 fresh * pages_each, self._alloc.free_pages, self._alloc.num_pages, self.page_size
@@ -298,6 +281,12 @@ class StoreCore(StoreState):
             self._book.quota_room(tenant, fresh * pages_each, pages_each, keys, evicted)
             for key, size in zip(keys, sizes, strict=True):
                 entry = self._table.get(key)
+                if entry is not None and entry.namespace != ns_id:
+                    # Another namespace's chunk: neither taken over nor confirmed. It answers
+                    # as an absent key that found no room (docs/security.md, the residual).
+                    statuses.append(AllocStatus.NO_SPACE)
+                    locations.append(None)
+                    continue
                 if entry is not None:
                     if entry.state is ChunkState.COMMITTED:
                         # The writer wants it kept: count it as a use, so that making room for
@@ -403,7 +392,8 @@ class StoreCore(StoreState):
             return len(entries)
 
     def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
-        """Remove chunks (idempotent: unknown keys are skipped). Returns how many were held."""
+        """Remove chunks (idempotent: unknown keys, and keys held under another namespace,
+        are skipped). Returns how many were held."""
         self.limits.check_batch(len(keys))
         check_keys(keys)
         with self._lock:
@@ -411,9 +401,8 @@ class StoreCore(StoreState):
             removed: list[ChunkEntry] = []
             for key in keys:
                 entry = self._table.get(key)
-                if entry is None:
+                if not self._held_by(entry, ns_id):  # absent, or another namespace's
                     continue
-                self._check_owner(entry, ns_id)
                 if entry.state is ChunkState.COMMITTED:
                     self._book.policy.remove(key)
                     removed.append(entry)

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from typing import TypeGuard
 
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.store.api.events import EventKind, StoreEvent
@@ -148,9 +149,7 @@ class StoreState:
         """What ``ns_id`` was registered with (UNKNOWN_NAMESPACE: never, or retired)."""
         info = self._namespaces.get(ns_id)
         if info is None:
-            raise KvtierError(
-                ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns_id.hex()} is not registered"
-            )
+            raise unknown_namespace(ns_id)
         return info
 
     def _use_namespace(self, ns_id: bytes, now: float) -> NamespaceInfo:
@@ -257,13 +256,46 @@ class StoreState:
             raise KvtierError(ErrorCode.UNKNOWN_KEY, f"not in this lease: {', '.join(missing[:4])}")
         return [by_key[k] for k in keys]
 
-    def _check_owner(self, entry: ChunkEntry, ns_id: bytes) -> None:
-        if entry.namespace != ns_id:
+    @staticmethod
+    def _held_by(entry: ChunkEntry | None, ns_id: bytes) -> TypeGuard[ChunkEntry]:
+        """Whether a chunk is held under namespace ``ns_id``. A chunk of another namespace
+        answers as absent to that namespace's callers, never as an error: namespace ids are
+        public (the index lists them), so anyone can compute another namespace's keys for a
+        guessed prompt, and an answer that told "held elsewhere" from "absent" would say
+        whether someone else holds that prompt (naming the owner would say whose)."""
+        return entry is not None and entry.namespace == ns_id
+
+    def _check_lease_room(self, session: int, chunks: int) -> None:
+        """Refuse (LIMIT_EXCEEDED) a new lease of ``chunks`` chunks that would take
+        ``session`` past ``max_leases_per_session`` or ``max_leased_chunks_per_session``:
+        each lease costs the store memory (and pins), and nothing else bounds how many one
+        client takes. Leases without a session (in-process callers: the remote tier, an
+        embedded store) are the store's own work; the gRPC front requires a session. A call
+        that would take no chunk (an allocate of stored keys) makes no lease: never refused."""
+        if not session or not chunks:
+            return
+        leases, held = self._leases.held(session)
+        limits = self.limits
+        if leases >= limits.max_leases_per_session:
             raise KvtierError(
-                ErrorCode.NAMESPACE_MISMATCH,
-                f"chunk {entry.key.hex()} belongs to namespace {entry.namespace.hex()}, "
-                f"not {ns_id.hex()}",
+                ErrorCode.LIMIT_EXCEEDED,
+                f"session {session:x} holds {leases} leases: store.max_leases_per_session = "
+                f"{limits.max_leases_per_session} (release leases no longer needed)",
             )
+        if held + chunks > limits.max_leased_chunks_per_session:
+            raise KvtierError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"session {session:x} holds {held} chunks under leases, {chunks} more asked: "
+                f"store.max_leased_chunks_per_session = "
+                f"{limits.max_leased_chunks_per_session} (release leases no longer needed)",
+            )
+
+    def namespace_salt(self, ns_id: bytes) -> str | None:
+        """The ``cache_salt`` (tenant) of namespace ``ns_id``, None when it is not registered
+        (never, or retired). Without the lock: one dict read, and an id's salt never changes
+        (the salt is part of what the id hashes)."""
+        info = self._namespaces.get(ns_id)
+        return None if info is None else info.namespace.cache_salt
 
     def _ttl(self, ttl_s: float) -> float:
         if not ttl_s > 0:
@@ -272,6 +304,13 @@ class StoreState:
 
     def _default_ttl(self, kind: LeaseKind) -> float:
         return self.lease_ttl_s if kind is LeaseKind.READ else self.write_ttl_s
+
+
+def unknown_namespace(ns_id: bytes) -> KvtierError:
+    """The one answer for a namespace a caller may not use: never registered, retired, or
+    another tenant's (``kvtier.store.grpc_server.TenantGate``). One function, so that the
+    messages stay byte-identical and no probe tells them apart."""
+    return KvtierError(ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns_id.hex()} is not registered")
 
 
 def _doomed_writing(leases: LeaseTable, tenant: Tenant) -> int:

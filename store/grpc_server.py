@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,11 @@ import grpc
 from kvtier import rpc
 from kvtier.auth import NONCE_BYTES, Permission, prove
 from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace, unpack_keys
+from kvtier.keys import MAX_NAMESPACE_JSON_BYTES, Namespace, unpack_keys
 from kvtier.store.api import StoreClient
 from kvtier.store.api.events import EventGap
 from kvtier.store.client import wire
+from kvtier.store.corestate import unknown_namespace
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
 
@@ -58,41 +58,68 @@ STORE_PERMISSIONS: Mapping[str, Permission] = {
 class TenantGate:
     """Which tenant (salt digest) each namespace id belongs to, so a tenant's engine touches
     only its own. An engine limited to some tenants gets the same answer for a namespace that
-    is another tenant's as for one never registered: it cannot probe which exist."""
+    is another tenant's as for one never registered: it cannot probe which exist.
 
-    def __init__(self) -> None:
-        self._salts: dict[bytes, str] = {}
-        self._lock = threading.Lock()
+    It keeps no table of its own: ``tenant_of`` reads the store's (an id's salt is part of
+    what the id hashes, so it never changes). A table here grew with every namespace anyone
+    tried to register, refused or long retired."""
 
-    def register(self, namespace: Namespace, ns_id: bytes) -> None:
+    def __init__(self, tenant_of: Callable[[bytes], str | None]) -> None:
+        """``tenant_of``: the salt digest of a registered namespace id, None otherwise."""
+        self._tenant_of = tenant_of
+
+    def register(self, namespace: Namespace) -> None:
         caller = rpc.caller()
         if not caller.may_use_salt(namespace.cache_salt):
             raise KvtierError(
                 ErrorCode.PERMISSION_DENIED,
                 f"{caller.name} may not use this namespace's tenant (cache_salt)",
             )
-        with self._lock:
-            self._salts[ns_id] = namespace.cache_salt
 
     def check(self, ns_id: bytes) -> None:
         caller = rpc.caller()
         if caller.salts is None:
             return
-        with self._lock:
-            salt = self._salts.get(ns_id)
+        salt = self._tenant_of(ns_id)
         if salt is None or not caller.may_use_salt(salt):
-            raise KvtierError(
-                ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns_id.hex()} is not registered"
-            )
+            raise unknown_namespace(ns_id)  # the store's own words for one never registered
+
+
+def _tenant_reader(store: StoreClient) -> Callable[[bytes], str | None]:
+    """How the gate reads a namespace's tenant: from the store's table (a ``NodeStore``,
+    under a ``MeteredStore``)."""
+    inner: Any = getattr(store, "inner", store)
+    core = getattr(inner, "core", None)
+    if core is None:
+        raise TypeError(f"{type(store).__name__} has no store core to read namespaces from")
+    reader: Callable[[bytes], str | None] = core.namespace_salt
+    return reader
+
+
+def require_session(session: int, what: str) -> None:
+    """A lease taken over gRPC belongs to a session: the store bounds what each session
+    holds (``store.max_leases_per_session``), and a lease without one would escape that."""
+    if not session:
+        raise KvtierError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"{what} needs a session: open one (OpenSession) and pass its id",
+        )
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
-    def __init__(self, store: StoreClient, own_token: str | None = None) -> None:
-        """``own_token``: this store's credential, proved (never sent) to ``Prove`` callers."""
+    def __init__(
+        self,
+        store: StoreClient,
+        own_token: str | None = None,
+        tenant_of: Callable[[bytes], str | None] | None = None,
+    ) -> None:
+        """``own_token``: this store's credential, proved (never sent) to ``Prove`` callers.
+        ``tenant_of``: a registered namespace's salt digest (default: read from ``store``'s
+        core)."""
         self.store = store
         self._own_token = own_token
         self.epoch = store.info().epoch
-        self.tenants = TenantGate()
+        self.tenants = TenantGate(tenant_of or _tenant_reader(store))
 
     def check(self, request: Any) -> None:
         """Refuse a client attached to a previous incarnation: its offsets mean nothing here."""
@@ -132,11 +159,18 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def RegisterNamespace(
         self, request: pb.RegisterNamespaceRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNamespaceReply:
+        size = len(request.namespace_json)
+        if size > MAX_NAMESPACE_JSON_BYTES:  # before parsing it: kept, it would cost that much
+            raise KvtierError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"a namespace definition is at most {MAX_NAMESPACE_JSON_BYTES} bytes of JSON, "
+                f"got {size}",
+            )
         try:
             namespace = Namespace.model_validate_json(request.namespace_json)
         except ValueError as exc:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"bad namespace: {exc}") from exc
-        self.tenants.register(namespace, namespace.root_key())  # refused before it exists
+        self.tenants.register(namespace)  # refused before it exists
         ns_id = self.store.register_namespace(namespace, request.chunk_bytes)
         return pb.RegisterNamespaceReply(ns_id=ns_id)
 
@@ -144,6 +178,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
         self.tenants.check(request.ns_id)
         ttl = request.lease_ttl_s if request.lease_ttl_s > 0 else None
+        if ttl is not None:
+            require_session(request.session, "a leased lookup")
         result = self.store.lookup(
             request.ns_id, unpack_keys(request.keys), ttl, session=request.session
         )
@@ -159,6 +195,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: pb.AllocateRequest, context: grpc.ServicerContext
     ) -> pb.AllocateReply:
         self.tenants.check(request.ns_id)
+        require_session(request.session, "allocate")
         ttl = request.ttl_s if request.ttl_s > 0 else None
         result = self.store.allocate(
             request.ns_id,
@@ -262,6 +299,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def LeaseForPeer(
         self, request: pb.LookupRequest, context: grpc.ServicerContext
     ) -> pb.LookupReply:
+        require_session(request.session, "LeaseForPeer")
         ttl = request.lease_ttl_s if request.lease_ttl_s > 0 else None
         result = self.store.lease_for_peer(
             request.ns_id, unpack_keys(request.keys), ttl, session=request.session
@@ -289,10 +327,13 @@ def start_grpc_server(
     security: rpc.ServerSecurity | None = None,
     unix_socket: Path | None = None,
     max_message_bytes: int = rpc.MESSAGE_LIMIT,
+    tenant_of: Callable[[bytes], str | None] | None = None,
 ) -> tuple[grpc.Server, int]:
     """Serve ``store`` on host:port (port 0 picks a free one) and ``unix_socket``. Returns
-    (server, bound port). ``security``: who may call what (``STORE_PERMISSIONS``)."""
-    servicer = StoreServicer(store, security.own_token if security is not None else None)
+    (server, bound port). ``security``: who may call what (``STORE_PERMISSIONS``).
+    ``tenant_of``: a registered namespace's salt digest (``TenantGate``)."""
+    own_token = security.own_token if security is not None else None
+    servicer = StoreServicer(store, own_token, tenant_of)
     return rpc.start_server(
         [(store_pb2_grpc.add_StoreServicer_to_server, servicer)],
         host,

@@ -39,6 +39,7 @@ class Lease:
     expires: float
     session: int = 0  # the client session it ends with (0: none, TTL only)
     deadline: float = math.inf  # it never lives past this, however renewed
+    weight: int = 0  # chunks it held when created: what it counts against its session
 
 
 @dataclass
@@ -49,6 +50,7 @@ class LeaseTable:
     _expired: dict[int, None] = field(default_factory=dict)
     _expired_keep: int = 65536
     _by_session: dict[int, set[int]] = field(default_factory=dict)  # session -> lease ids
+    _chunks_by_session: dict[int, int] = field(default_factory=dict)  # session -> weights
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -68,7 +70,7 @@ class LeaseTable:
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
         expires = min(expires, deadline)
-        lease = Lease(lease_id, kind, entries, expires, 0, deadline)
+        lease = Lease(lease_id, kind, entries, expires, 0, deadline, len(entries))
         self._leases[lease_id] = lease
         heapq.heappush(self._expiry_heap, (expires, lease_id))
         self.bind(lease, session)
@@ -79,11 +81,22 @@ class LeaseTable:
         if session and not lease.session:
             lease.session = session
             self._by_session.setdefault(session, set()).add(lease.id)
+            self._chunks_by_session[session] = self._chunks_by_session.get(session, 0) + (
+                lease.weight
+            )
+
+    def held(self, session: int) -> tuple[int, int]:
+        """(leases, chunks) that ``session`` holds: what its bounds are checked against. A
+        lease's chunks are counted as it was created (a write lease that commits part of its
+        chunks still counts them until it ends), each lease apart (one chunk pinned twice
+        counts twice: each pin is an entry the store keeps)."""
+        return len(self._by_session.get(session, ())), self._chunks_by_session.get(session, 0)
 
     def pop_session(self, session: int) -> list[Lease]:
         """Remove and return every lease of ``session`` (it ended). A late release of one is
         then told EXPIRED: what it guarded may have changed."""
         out = []
+        self._chunks_by_session.pop(session, None)
         for lease_id in self._by_session.pop(session, ()):
             lease = self._leases.pop(lease_id, None)
             if lease is not None:
@@ -127,10 +140,12 @@ class LeaseTable:
     def _unbind(self, lease: Lease) -> None:
         if lease.session:
             ids = self._by_session.get(lease.session)
-            if ids is not None:
+            if ids is not None and lease.id in ids:
                 ids.discard(lease.id)
+                self._chunks_by_session[lease.session] -= lease.weight
                 if not ids:
                     del self._by_session[lease.session]
+                    del self._chunks_by_session[lease.session]
 
     def _trim_expired(self) -> None:
         while len(self._expired) > self._expired_keep:
@@ -143,3 +158,4 @@ class LeaseTable:
         self._leases.clear()
         self._expiry_heap.clear()
         self._by_session.clear()
+        self._chunks_by_session.clear()

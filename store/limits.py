@@ -33,6 +33,10 @@ class StoreLimits:
     # Long against a client's gaps between calls, which re-registers a retired one anyway.
     namespace_idle_s: float = 600.0
     max_sessions: int = 65536
+    # What one session's leases may hold at once (their count, and the chunks under them):
+    # each lease is memory of the store's, and nothing else bounds how many a client takes.
+    max_leases_per_session: int = 16384
+    max_leased_chunks_per_session: int = 1 << 20
     max_lease_lifetime_s: float = 600.0  # a lease's whole life, renewals included
     # Pages of a write lease the store ended (its TTL or its session's) are held back this long
     # before reuse: the writer may still be copying into them. Longer than any copy.
@@ -49,6 +53,8 @@ class StoreLimits:
             max_batch_fraction=config.max_batch_fraction,
             max_namespaces=config.max_namespaces,
             max_sessions=config.max_sessions,
+            max_leases_per_session=config.max_leases_per_session,
+            max_leased_chunks_per_session=config.max_leased_chunks_per_session,
             max_lease_lifetime_s=config.max_lease_lifetime_s,
             session_timeout_s=config.session_timeout_s,
             tenants=tuple(

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier import __version__
+from kvtier.auth import Authenticator
 from kvtier.config import StoreConfig
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.keys import Namespace
@@ -69,10 +70,14 @@ class NodeStore(StoreClient):
         config: StoreConfig,
         instance: str | None = None,
         peer_auth: ClientAuth | None = None,
+        peer_verify: Authenticator | None = None,
+        index_address: str | None = None,
     ) -> None:
         """``instance`` names this store among others on the node (default: the gRPC port for
-        a served store, the pid for an embedded one). ``peer_auth``: what it presents to peer
-        stores (remote tier)."""
+        a served store, the pid for an embedded one). Remote tier: ``peer_auth`` is what it
+        presents to peer stores, ``peer_verify`` checks their proof of a node credential
+        first, and the node stores the index at ``index_address`` lists are peers besides
+        ``store.remote.peers`` (``kvtier.store.remote.directory``)."""
         self.config = config
         self.epoch = secrets.randbits(63) or 1
         instance = instance or f"pid{os.getpid()}"
@@ -109,7 +114,12 @@ class NodeStore(StoreClient):
 
             try:
                 self.remote = RemoteTier(
-                    self.core, self.segment, config.remote, peer_auth=peer_auth
+                    self.core,
+                    self.segment,
+                    config.remote,
+                    peer_auth=peer_auth,
+                    peer_verify=peer_verify,
+                    index_address=index_address,
                 )
             except BaseException:
                 self.segment.close()
@@ -234,15 +244,8 @@ class NodeStore(StoreClient):
         session: int = 0,
     ) -> LookupResult:
         self.core.limits.check_batch(len(keys))
-        remote = self._remote_tier()
-        if session and not self.core.heartbeat(session):  # refuse before pinning anything
-            raise KvtierError(
-                ErrorCode.UNKNOWN_SESSION, f"session {session:x} is not open: open a new one"
-            )
-        result = remote.lease_for_peer(ns_id, keys, lease_ttl_s)
-        if result.lease_id:
-            self.core.bind_session(result.lease_id, session)  # ends the lease if it just closed
-        return result
+        # Under the peer's session: it ends with it, and counts against its bounds.
+        return self._remote_tier().lease_for_peer(ns_id, keys, lease_ttl_s, session)
 
     def fetch(
         self,

@@ -79,9 +79,16 @@ class StoreService:
             own_token=auth.client_token(),
         )
         client_auth = rpc.ClientAuth.from_config(auth)
+        index_address = index_address or config.index_address
         # Port 0 (pick a free one) is not an identity; the pid is.
         instance = f"port{config.grpc_port}" if config.grpc_port else f"pid{os.getpid()}"
-        node = NodeStore(config, instance=instance, peer_auth=client_auth)
+        node = NodeStore(
+            config,
+            instance=instance,
+            peer_auth=client_auth,
+            peer_verify=authenticator,
+            index_address=index_address,
+        )
         try:
             metered, registry = build_registry(node)
             server, grpc_port = start_grpc_server(
@@ -92,6 +99,7 @@ class StoreService:
                 security=security,
                 unix_socket=config.unix_socket,
                 max_message_bytes=int(config.max_message_bytes),
+                tenant_of=node.core.namespace_salt,
             )
             ready = threading.Event()
             http = HttpServer(
@@ -116,7 +124,6 @@ class StoreService:
             grpc_address = f"{config.remote.hostname}:{grpc_port}"  # what peers can reach
         node.start_remote(grpc_address)
         announcer = None
-        index_address = index_address or config.index_address
         if index_address:  # then the index follows this store without being told
             announcer = Announcer(
                 index_address,

@@ -4,8 +4,10 @@ A lease alone outlives its holder by up to its TTL, and clients ask for long one
 take minutes): a killed engine's pins would block eviction that long. A client therefore
 opens a session, heartbeats it (every ``timeout_s / 3`` or so), and creates its leases under
 it; when the session ends (the client closes it, or no heartbeat arrives for ``timeout_s``)
-the store ends every lease of the session at once (``StoreCore``). A client without a session
-(session id 0: an embedded store, an old client) keeps TTL-only leases.
+the store ends every lease of the session at once (``StoreCore``). What one session holds is
+bounded (``store.max_leases_per_session``, ``store.max_leased_chunks_per_session``), so over
+gRPC every lease belongs to a session (one asked for without is refused). In-process callers
+(an embedded store, the remote tier's own allocations) use session id 0: TTL-only leases.
 
 Session ids are random 63-bit numbers: a client cannot guess, and so end, another's session.
 

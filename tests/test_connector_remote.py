@@ -33,10 +33,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def cluster(run_dir: Path):
-    """Two node stores with the remote tier, and an index following both."""
-    a = start_store_process(run_dir, "256MiB", "--remote", node_id="node-a", env=REMOTE_ENV)
-    b = start_store_process(run_dir, "256MiB", "--remote", node_id="node-b", env=REMOTE_ENV)
-    index = start_index_process("--store", a.address, "--store", b.address)
+    """An index, and two node stores with the remote tier that announce themselves there: the
+    index follows both, and each store fetches from the node stores the index lists."""
+    index = start_index_process()
+    stores = [
+        start_store_process(
+            run_dir, "256MiB", "--remote", "--index", index.address, node_id=node, env=REMOTE_ENV
+        )
+        for node in ("node-a", "node-b")
+    ]
+    a, b = stores
     try:
         yield a, b, index
     finally:

@@ -63,6 +63,8 @@ def test_fetch_crosses_a_veth_pair(veth_pair, tmp_path: Path) -> None:
     stores = []
     try:
         for ns, addr, name in ((ns_b, "10.77.0.2", "holder"), (ns_a, "10.77.0.1", "puller")):
+            # the puller fetches only from peers it knows: the holder, started first
+            peers = ("--peers", stores[0].address) if stores else ()
             stores.append(
                 start_store_process(
                     tmp_path,
@@ -72,6 +74,7 @@ def test_fetch_crosses_a_veth_pair(veth_pair, tmp_path: Path) -> None:
                     addr,
                     "--grpc-host",
                     addr,
+                    *peers,
                     node_id=name,
                     env=env,
                     wrapper=("ip", "netns", "exec", ns),

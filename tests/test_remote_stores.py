@@ -54,6 +54,18 @@ def remote_store(run_dir: Path, capacity: str, node_id: str, *extra: str, **env:
     )
 
 
+def peer_ports(n: int) -> list[str]:
+    """Free ports for stores that must know each other before they start: a store fetches
+    only from its peers (``--peers``) and the node stores the index lists."""
+    return [str(free_port()) for _ in range(n)]
+
+
+def on(port: str, *peers: str) -> tuple[str, ...]:
+    """Arguments for a store at ``port`` whose peers are the stores at ``peers``."""
+    listed = ",".join(f"127.0.0.1:{p}" for p in peers)
+    return ("--grpc-port", port, *(("--peers", listed) if peers else ()))
+
+
 def put(store: StoreProcess, ns: Namespace, size: int, seeds: range) -> tuple[bytes, list[bytes]]:
     """Put chunks with the given seeds (token runs start at seed * chunk_tokens)."""
     keys = keys_for(ns, seeds)
@@ -115,8 +127,9 @@ def assert_no_leak(c: GrpcStoreClient) -> None:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StoreProcess, ...]]:
     run_dir = tmp_path_factory.mktemp("run")
-    a = remote_store(run_dir, "64MiB", "node-a")
-    b = remote_store(run_dir, "64MiB", "node-b")
+    pa, pb = peer_ports(2)
+    a = remote_store(run_dir, "64MiB", "node-a", *on(pa, pb))
+    b = remote_store(run_dir, "64MiB", "node-b", *on(pb))
     try:
         yield a, b
     finally:
@@ -212,9 +225,10 @@ def test_corrupted_chunk_is_detected_and_not_committed(pair) -> None:
 def test_three_stores_a_run_from_two_holders(tmp_path: Path) -> None:
     ns = NS.model_copy(update={"model": "three"})
     size = 1 * MiB
-    a = remote_store(tmp_path, "32MiB", "node-a")
-    b = remote_store(tmp_path, "32MiB", "node-b")
-    c = remote_store(tmp_path, "32MiB", "node-c")
+    pa, pb, pc = peer_ports(3)
+    a = remote_store(tmp_path, "32MiB", "node-a", *on(pa, pb, pc))
+    b = remote_store(tmp_path, "32MiB", "node-b", *on(pb, pa))
+    c = remote_store(tmp_path, "32MiB", "node-c", *on(pc))
     try:
         ns_id, _ = put(b, ns, size, range(6))
         put(c, ns, size, range(10))
@@ -241,16 +255,16 @@ def test_holder_restarted_at_the_same_address(tmp_path: Path) -> None:
     puller re-attaches, re-registers the namespace and reads from the new engine."""
     ns = NS.model_copy(update={"model": "restart"})
     size = 256 << 10
-    port = free_port()
-    a = remote_store(tmp_path, "16MiB", "node-a")
-    b = remote_store(tmp_path, "16MiB", "node-b", "--grpc-port", str(port))
+    pa, port = peer_ports(2)
+    a = remote_store(tmp_path, "16MiB", "node-a", *on(pa, port))
+    b = remote_store(tmp_path, "16MiB", "node-b", "--grpc-port", port)
     try:
         ns_id, keys = put(b, ns, size, range(4))
         ca, _ = client(a, ns, size)
         assert ca.fetch(ns_id, keys[:2], b.address).ok
         old_transfer = b.ready["transfer"]
         b.stop()
-        b = remote_store(tmp_path, "16MiB", "node-b", "--grpc-port", str(port))
+        b = remote_store(tmp_path, "16MiB", "node-b", "--grpc-port", port)
         assert b.ready["transfer"] != old_transfer
         put(b, ns, size, range(4))
         result = ca.fetch(ns_id, keys, b.address)
@@ -269,8 +283,9 @@ BIG_N = 72  # 288 MiB: ~100 ms or more over loopback TCP, time enough to strike
 
 @pytest.fixture
 def big_pair(tmp_path: Path) -> Iterator[tuple[StoreProcess, StoreProcess, bytes, list[bytes]]]:
-    a = remote_store(tmp_path, "384MiB", "node-a")
-    b = remote_store(tmp_path, "384MiB", "node-b")
+    pa, pb = peer_ports(2)
+    a = remote_store(tmp_path, "384MiB", "node-a", *on(pa, pb))
+    b = remote_store(tmp_path, "384MiB", "node-b", *on(pb))
     try:
         ns_id, keys = put(b, NS, BIG, range(BIG_N))
         yield a, b, ns_id, keys
@@ -360,8 +375,10 @@ def test_frozen_holder_before_the_fetch_is_a_quick_timeout(big_pair) -> None:
 def test_demotion_moves_cold_chunks_to_the_peer_with_room(tmp_path: Path) -> None:
     ns = NS.model_copy(update={"model": "demote"})
     size = 1 * MiB
-    roomy = remote_store(tmp_path, "32MiB", "node-roomy")
-    full = remote_store(tmp_path, "8MiB", "node-full")
+    # The peers pull from the demoting store: it must be their peer too.
+    p_hot, p_roomy, p_full = peer_ports(3)
+    roomy = remote_store(tmp_path, "32MiB", "node-roomy", *on(p_roomy, p_hot))
+    full = remote_store(tmp_path, "8MiB", "node-full", *on(p_full, p_hot))
     demote_env = {
         "KVTIER_STORE__REMOTE__DEMOTION__HIGH_WATERMARK": "0.5",
         "KVTIER_STORE__REMOTE__DEMOTION__LOW_WATERMARK": "0.25",
@@ -373,6 +390,8 @@ def test_demotion_moves_cold_chunks_to_the_peer_with_room(tmp_path: Path) -> Non
             tmp_path,
             "16MiB",
             "node-hot",
+            "--grpc-port",
+            p_hot,
             "--peers",
             f"{full.address},{roomy.address}",
             "--demotion",

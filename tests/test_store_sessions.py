@@ -171,19 +171,47 @@ def test_sessions_are_bounded(core: StoreCore) -> None:
     core.open_session()
 
 
-def test_a_lease_created_without_a_session_can_be_bound_to_one(core: StoreCore) -> None:
-    """What the store does for lease_for_peer: the remote tier leases, then binds."""
+def test_what_a_session_holds_is_bounded(clock: FakeClock) -> None:
+    """Each lease is memory of the store's: a session holds at most so many, over at most so
+    many chunks (a chunk under two leases counts twice). A refused call changes nothing; what
+    ends (released, committed, expired, the session closed) is counted back."""
+    limits = StoreLimits(
+        session_timeout_s=5, max_leases_per_session=3, max_leased_chunks_per_session=5
+    )
+    core = StoreCore(
+        node_id="n", epoch=1, capacity_bytes=16 * PAGE, page_size=PAGE, eviction="lru",
+        lease_ttl_s=300, write_ttl_s=300, clock=clock, limits=limits,
+    )  # fmt: skip
     ns_id = core.register_namespace(NS, PAGE)
-    held = committed(core, ns_id, 2)
+    held = committed(core, ns_id, 3)
     session = core.open_session()
-    lease = core.lookup(ns_id, held, lease_ttl_s=300).lease_id
-    core.bind_session(lease, session)
-    assert core.close_session(session) == 1
-    late = core.lookup(ns_id, held, lease_ttl_s=300).lease_id
-    with pytest.raises(KvtierError) as err:
-        core.bind_session(late, session)  # the session ended meanwhile: the lease ends too
-    assert err.value.code is ErrorCode.UNKNOWN_SESSION
-    assert core.stats()["pinned_bytes"] == 0 and core.stats()["read_leases"] == 0
+    first = core.lookup(ns_id, held[:2], 300, session=session).lease_id
+    core.lookup(ns_id, held[:2], 300, session=session)  # the same chunks again: 4 of 5
+    before = core.stats()
+    for call, bound in (
+        (lambda: core.lookup(ns_id, held[:2], 300, session=session), "chunks"),
+        (lambda: core.allocate(ns_id, keys(2), [PAGE] * 2, session=session), "chunks"),
+    ):
+        with pytest.raises(KvtierError) as err:
+            call()
+        assert err.value.code is ErrorCode.LIMIT_EXCEEDED and bound in err.value.message
+    assert core.stats()["pinned_bytes"] == before["pinned_bytes"]
+    assert core.stats()["used_bytes"] == before["used_bytes"]  # nothing allocated
+    write = core.allocate(ns_id, keys(1), [PAGE], session=session).lease_id  # 5 of 5
+    with pytest.raises(KvtierError) as err:  # 3 leases of 3
+        core.lookup(ns_id, held[2:], 300, session=session)
+    assert "store.max_leases_per_session" in err.value.message
+    assert core.lookup(ns_id, held, 300).lease_id  # without a session: in-process callers
+    core.release([first])
+    core.commit(write, None, [1])  # the write lease ends with its last chunk
+    assert core.lookup(ns_id, held[:2], 300, session=session).lease_id
+    assert core.close_session(session) == 2
+    other = core.open_session()
+    assert core.lookup(ns_id, held[:2], 300, session=other).lease_id  # counted per session
+    clock.now += 6  # no heartbeat: the session and its lease end, and are counted back
+    core.reap()
+    core.check_invariants()
+    assert core._leases.held(other) == (0, 0)
 
 
 # -- over gRPC ----------------------------------------------------------------------------

@@ -13,6 +13,9 @@
 
 The caller then looks the keys up locally and loads them like any DRAM hit. Every peer failure
 is a ``FetchStatus``, never an exception, and every step is bounded by the fetch deadline.
+The holder must be a peer this store knows (``PeerDirectory``: configured, or listed by the
+index) and prove a node credential; any other answers PEER_UNREACHABLE with ``NOT_A_PEER``
+before anything is dialed, as does a known one that does not answer (no port oracle).
 
 Threading: thread-safe; fetches run concurrently (the store's core serialises metadata).
 """
@@ -37,7 +40,7 @@ from kvtier.store.api.types import AllocStatus, LeaseStatus, LookupResult
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.store.client.shm import SharedSegment, checksum_views
 from kvtier.store.core import StoreCore
-from kvtier.store.remote.peers import PeerClients
+from kvtier.store.remote.peers import NOT_A_PEER, PeerClients, PeerUnavailable
 from kvtier.store.remote.transport import (
     PeerPool,
     RangeError,
@@ -97,11 +100,13 @@ class Fetcher:
     # -- holder side -------------------------------------------------------------------------
 
     def lease_for_peer(
-        self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None
+        self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None, session: int = 0
     ) -> LookupResult:
-        """Lookup + read lease, every hit with its checksum (computed now where the background
-        checksummer has not got to it yet: a peer must be able to verify what it reads)."""
-        result = self.core.lookup(ns_id, keys, lease_ttl_s or self.core.lease_ttl_s)
+        """Lookup + read lease (under the peer's ``session``), every hit with its checksum
+        (computed now where the background checksummer has not got to it yet: a peer must be
+        able to verify what it reads)."""
+        ttl = lease_ttl_s or self.core.lease_ttl_s
+        result = self.core.lookup(ns_id, keys, ttl, session=session)
         if not result.lease_id:
             return result
         entries = self.core.read_lease_entries(result.lease_id)
@@ -213,11 +218,16 @@ class Fetcher:
 
         try:
             return self.peers.call(holder, (ns_id, namespace, chunk_bytes), lease)
-        except KvtierError as exc:
+        except PeerUnavailable:  # not a known peer, or it did not answer or prove itself
+            raise _Stop(FetchStatus.PEER_UNREACHABLE, NOT_A_PEER) from None
+        except KvtierError as exc:  # from a peer this store knows and reached before
             if exc.code is ErrorCode.UNAVAILABLE:
                 if time.monotonic() >= deadline or "Deadline" in exc.message:
                     raise _Stop(FetchStatus.TIMEOUT, f"{holder}: {exc.message}") from None
-                raise _Stop(FetchStatus.PEER_UNREACHABLE, f"{holder}: {exc.message}") from None
+                # gone since: the answer of one never reached (which holder is down is no
+                # secret, but what it says when down would tell its port's state)
+                log.debug("peer store %s: %s", holder, exc.message)
+                raise _Stop(FetchStatus.PEER_UNREACHABLE, NOT_A_PEER) from None
             raise _Stop(FetchStatus.REFUSED, f"{holder} refused: {exc}") from None
 
     def _transfer(

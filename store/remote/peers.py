@@ -1,42 +1,88 @@
 """Control-plane clients of peer stores, by gRPC address, shared by fetches and demotion.
 
-A client is created on first use (one ``Info`` call), kept while the peer answers, dropped
-when it does not (the next use reconnects), and re-attached when the peer restarted
-(STALE_EPOCH). Namespaces are registered at a peer once per peer epoch.
+Only peers the ``PeerDirectory`` lists are dialed (the configured ones, the node stores the
+index lists), and each proves it holds a node credential before this store's token is sent
+there (``GrpcStoreClient(verify=...)``). Any address that is not listed, or a listed one that
+does not answer or prove at first contact, gets one answer (``PeerUnavailable``): whoever
+named it learns nothing of what listens there.
+
+A client is created on first use (the proof, one ``Info`` call), kept while the peer answers,
+dropped when it does not (the next use reconnects and proves again), and replaced when the
+peer restarted (STALE_EPOCH: a new process at that address proves itself anew). Namespaces
+are registered at a peer once per peer epoch.
 
 Threading: thread-safe; clients are shared (gRPC channels are).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from kvtier.auth import Authenticator
+from kvtier.config_auth import AuthConfig
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.keys import Namespace
 from kvtier.rpc import ClientAuth
 from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.store.remote.directory import PeerDirectory
+
+log = logging.getLogger(__name__)  # debug only here: callers name addresses at will
 
 T = TypeVar("T")
 
+# What a holder this store will not (or cannot) talk to answers, whatever listens there.
+NOT_A_PEER = "holder is not a known peer store, or it did not answer"
+
+
+class PeerUnavailable(KvtierError):
+    """No client for that address: not a known peer (nothing was dialed), or a known one that
+    did not answer or did not prove a node credential at first contact. One message for all
+    of them: the caller may have named the address, and must not learn what is there."""
+
+    def __init__(self) -> None:
+        super().__init__(ErrorCode.UNAVAILABLE, NOT_A_PEER)
+
 
 class PeerClients:
-    def __init__(self, rpc_timeout_s: float, auth: ClientAuth | None = None) -> None:
-        """``auth``: what this store presents to its peers (a node credential)."""
+    def __init__(
+        self,
+        rpc_timeout_s: float,
+        auth: ClientAuth | None = None,
+        verify: Authenticator | None = None,
+        directory: PeerDirectory | None = None,
+    ) -> None:
+        """``auth``: what this store presents to its peers (a node credential). ``verify``:
+        checks a peer's proof of a node credential before that is sent (None: nothing can be
+        checked, so a token is never sent). ``directory``: the peers this store may dial
+        (None: none)."""
         self.rpc_timeout_s = rpc_timeout_s
         self.auth = auth
+        self.verify = verify if verify is not None else Authenticator(AuthConfig())
+        self.directory = directory if directory is not None else PeerDirectory()
         self._lock = threading.Lock()
         self._clients: dict[str, GrpcStoreClient] = {}
         self._registered: set[tuple[str, int, bytes]] = set()  # (address, epoch, ns_id)
 
     def get(self, address: str) -> GrpcStoreClient:
-        """The client of the store at ``address`` (raises UNAVAILABLE if it does not answer)."""
+        """The client of the peer store at ``address``; ``PeerUnavailable`` when there is
+        none (see the class)."""
         with self._lock:
             client = self._clients.get(address)
         if client is not None:
             return client
-        client = GrpcStoreClient(address, timeout_s=self.rpc_timeout_s, auth=self.auth)
+        if not self.directory.known(address):
+            log.debug("refused to dial %.80r: not a known peer store", address)
+            raise PeerUnavailable()
+        try:
+            client = GrpcStoreClient(
+                address, timeout_s=self.rpc_timeout_s, auth=self.auth, verify=self.verify
+            )
+        except KvtierError as exc:
+            log.debug("peer store %s: %s", address, exc)
+            raise PeerUnavailable() from None
         with self._lock:
             existing = self._clients.setdefault(address, client)
         if existing is not client:
@@ -57,7 +103,8 @@ class PeerClients:
     ) -> T:
         """Run ``fn(client)`` against the peer, with ``namespace`` (id, namespace, chunk bytes)
         registered there first. A peer restart (STALE_EPOCH) or a namespace it lost is repaired
-        once; an unreachable peer's client is dropped. KvtierErrors propagate."""
+        once; an unreachable peer's client is dropped. KvtierErrors propagate (``get``'s
+        ``PeerUnavailable`` among them)."""
         for attempt in (0, 1):
             client = self.get(address)
             try:
@@ -66,11 +113,7 @@ class PeerClients:
                 return fn(client)
             except KvtierError as exc:
                 if attempt == 0 and exc.code is ErrorCode.STALE_EPOCH:
-                    try:
-                        client.reattach()
-                    except KvtierError:
-                        self.drop(address)
-                        raise exc from None
+                    self.drop(address)  # a new process there: it proves itself first
                     continue
                 if attempt == 0 and exc.code is ErrorCode.UNKNOWN_NAMESPACE and namespace:
                     with self._lock:

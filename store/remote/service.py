@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 
+from kvtier.auth import Authenticator
 from kvtier.config_store import RemoteConfig
 from kvtier.rpc import ClientAuth
 from kvtier.store.api.remote import FetchResult
@@ -19,6 +20,7 @@ from kvtier.store.api.types import LookupResult
 from kvtier.store.client.shm import SharedSegment
 from kvtier.store.core import StoreCore
 from kvtier.store.remote.demotion import Demoter
+from kvtier.store.remote.directory import IndexPeers, PeerDirectory
 from kvtier.store.remote.fetch import Fetcher
 from kvtier.store.remote.peers import PeerClients
 from kvtier.store.remote.transport import Transport
@@ -44,8 +46,12 @@ class RemoteTier:
         config: RemoteConfig,
         transport: Transport | None = None,
         peer_auth: ClientAuth | None = None,
+        peer_verify: Authenticator | None = None,
+        index_address: str | None = None,
     ) -> None:
-        """``peer_auth``: what this store presents to its peers."""
+        """``peer_auth``: what this store presents to its peers; ``peer_verify``: checks
+        their proof of a node credential first (``PeerClients``). ``index_address``: the
+        index whose node stores are peers too, besides ``config.peers`` (``PeerDirectory``)."""
         self.config = config
         self.transport = transport or make_transport(config)
         try:
@@ -54,10 +60,15 @@ class RemoteTier:
             self.transport.close()
             raise
         self.base_address = segment.base_address
-        self.peers = PeerClients(config.rpc_timeout_s, peer_auth)
+        source = None
+        if index_address:
+            source = IndexPeers(index_address, peer_auth, config.rpc_timeout_s)
+        self.directory = PeerDirectory(config.peers, source, config.peer_refresh_s)
+        self.peers = PeerClients(config.rpc_timeout_s, peer_auth, peer_verify, self.directory)
         self.fetcher = Fetcher(core, segment, self.transport, config, self.peers)
         self.core = core
         self.demoter: Demoter | None = None
+        self.directory.start()
 
     @property
     def address(self) -> str:
@@ -71,9 +82,9 @@ class RemoteTier:
             self.demoter.start()
 
     def lease_for_peer(
-        self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None
+        self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None, session: int = 0
     ) -> LookupResult:
-        return self.fetcher.lease_for_peer(ns_id, keys, lease_ttl_s)
+        return self.fetcher.lease_for_peer(ns_id, keys, lease_ttl_s, session)
 
     def fetch(
         self, ns_id: bytes, keys: Sequence[bytes], holder: str, timeout_s: float | None
@@ -94,3 +105,4 @@ class RemoteTier:
         self.fetcher.close()
         self.transport.close()
         self.peers.close()
+        self.directory.close()
