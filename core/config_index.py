@@ -61,6 +61,39 @@ class IndexConfig(Section):
     claim_ttl_s: float = Field(
         6.0, gt=0, description="replicas sharing Redis: how long one's claim on a source lasts"
     )
+    max_claim_ttl_s: float = Field(
+        30.0,
+        gt=0,
+        description="the longest a writer claim lasts without renewal, whatever its claimant "
+        "asked: a claimant that stops renewing (or a claim set by anything else) lapses this "
+        "soon, and a replica standing by takes the source over",
+    )
+    source_grace_s: float = Field(
+        30.0,
+        gt=0,
+        description="a followed source blinded this long makes the index report itself "
+        "degraded (/readyz 503): a configured source that cannot be followed (not live, "
+        "source not down), or any source whose writes the index does not take, or one "
+        "standing by while no replica writes it",
+    )
+    max_dynamic_followers: int = Field(
+        256,
+        ge=0,
+        description="sources registered over the API (endpoints in Register) that the index "
+        "follows at most; past it Register answers LIMIT_EXCEEDED",
+    )
+    max_namespaces: int = Field(
+        16384,
+        ge=1,
+        description="namespaces the index knows at most (definitions and ids); past it a new "
+        "one is refused with LIMIT_EXCEEDED (definitions are bounded: at most ~64 MiB)",
+    )
+    max_namespace_bytes: int = Field(
+        16384,
+        ge=1024,
+        description="the largest namespace definition (its JSON) RegisterNamespace accepts, "
+        "refused before it is parsed (a definition within kvtier.keys' field bounds is ~4 KiB)",
+    )
     replica_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="this index process among replicas (the owner of its claims)",
@@ -75,4 +108,6 @@ class IndexConfig(Section):
             raise ValueError("index.vllm: instance names must be unique")
         if self.claim_ttl_s <= self.probe_interval_s:
             raise ValueError("index.claim_ttl_s must exceed probe_interval_s (claims are renewed)")
+        if self.max_claim_ttl_s < self.claim_ttl_s:
+            raise ValueError("index.max_claim_ttl_s must be at least claim_ttl_s")
         return self

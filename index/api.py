@@ -88,17 +88,32 @@ class ChunkOp:
     keys: tuple[bytes, ...] = ()
 
 
+FOLLOWED_ENDPOINTS = ("events", "store")  # endpoints the index follows a location by
+
+
 @dataclass(frozen=True, slots=True)
 class Registration:
     """What a location says about itself. ``endpoints`` tell the index how to follow it:
     ``events`` (ZMQ PUB of vLLM KV events), ``replay`` (its ROUTER), ``topic``, ``store``
-    (a node store's gRPC address)."""
+    (a node store's gRPC address).
+
+    ``owner`` is what the index says about it, not the location: the name of the credential
+    that registered it over the API, '' for an operator (an admin credential, the index's own
+    configuration). Only the owner (or an admin) writes the location (``index.access``); the
+    API sets it from the caller and never takes it from a request. Stored with the
+    registration, so every replica and a restarted index enforce it too."""
 
     location: str
     kind: LocationKind
     namespaces: tuple[bytes, ...] = ()
     node: str = ""  # for an instance: the node it runs on ('' = unknown)
     endpoints: Mapping[str, str] = field(default_factory=dict)
+    owner: str = ""
+
+    @property
+    def followed(self) -> bool:
+        """The index follows this location from its endpoints: only its follower writes it."""
+        return any(self.endpoints.get(name) for name in FOLLOWED_ENDPOINTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +185,11 @@ class ChunkIndex(abc.ABC):
     def namespaces(self) -> dict[bytes, Namespace | None]:
         """Known namespaces: id -> definition (None when known by id only)."""
 
+    def namespace(self, ns_id: bytes) -> tuple[bool, Namespace | None]:
+        """(known, definition) of one namespace (definition None: known by id only)."""
+        known = self.namespaces()
+        return ns_id in known, known.get(ns_id)
+
     @abc.abstractmethod
     def register(self, registration: Registration) -> LocationInfo:
         """Create or update a location (status UP). Its namespaces must be known."""
@@ -180,6 +200,10 @@ class ChunkIndex(abc.ABC):
 
     @abc.abstractmethod
     def locations(self) -> list[LocationInfo]: ...
+
+    def location(self, name: str) -> LocationInfo | None:
+        """One location (None: not registered)."""
+        return next((i for i in self.locations() if i.registration.location == name), None)
 
     @abc.abstractmethod
     def heartbeat(self, locations: Sequence[str]) -> list[HeartbeatStatus]:
@@ -276,6 +300,40 @@ class ChunkIndex(abc.ABC):
 # -- helpers shared by the backends -------------------------------------------------------------
 
 
+# The answers for a namespace the index does not know. The API gives exactly these for a
+# namespace the caller may not see (another tenant's): one helper per operation keeps them
+# byte-identical (``index.access``).
+def unknown_namespace(ns_id: bytes) -> KvtierError:
+    """A query's."""
+    return KvtierError(
+        ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns_id.hex()} is not known to the index"
+    )
+
+
+def unregistered_namespace(ns_id: bytes) -> KvtierError:
+    """A write's (apply, replace)."""
+    return KvtierError(ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns_id.hex()} is not registered")
+
+
+def unserved_namespace(ns_id: bytes) -> KvtierError:
+    """A location registration's."""
+    return KvtierError(
+        ErrorCode.UNKNOWN_NAMESPACE,
+        f"register namespace {ns_id.hex()} before a location that serves it",
+    )
+
+
+def unknown_location(location: str) -> KvtierError:
+    return KvtierError(ErrorCode.UNKNOWN_LOCATION, f"location {location!r} is not registered")
+
+
+def too_many_namespaces(limit: int) -> KvtierError:
+    return KvtierError(
+        ErrorCode.LIMIT_EXCEEDED,
+        f"the index knows {limit} namespaces (index.max_namespaces): refusing another",
+    )
+
+
 def check_keys(keys: Iterable[bytes]) -> None:
     for key in keys:
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
@@ -296,9 +354,7 @@ def check_ops(ops: Sequence[ChunkOp], known_ns: Mapping[bytes, object]) -> None:
                 ErrorCode.INVALID_ARGUMENT, f"entries name a tier of {INDEX_TIERS}, not {op.tier}"
             )
         if op.ns_id not in known_ns:
-            raise KvtierError(
-                ErrorCode.UNKNOWN_NAMESPACE, f"namespace {op.ns_id.hex()} is not registered"
-            )
+            raise unregistered_namespace(op.ns_id)
         check_keys(op.keys)
 
 
@@ -314,9 +370,7 @@ def check_holdings(
 def resolve_keys(query: Query, namespaces: Mapping[bytes, Namespace | None]) -> list[bytes]:
     """The chunk keys a query asks about (computing them from token ids when given those)."""
     if query.ns_id not in namespaces:
-        raise KvtierError(
-            ErrorCode.UNKNOWN_NAMESPACE, f"namespace {query.ns_id.hex()} is not known to the index"
-        )
+        raise unknown_namespace(query.ns_id)
     if (query.keys is None) == (query.tokens is None):
         raise KvtierError(ErrorCode.INVALID_ARGUMENT, "a query gives keys or tokens, not both")
     if query.keys is not None:
@@ -362,15 +416,39 @@ def order_holdings(holdings: list[Holding]) -> tuple[Holding, ...]:
     return tuple(holdings)
 
 
+# Bounds of one registration (it is kept for as long as the location is registered).
+MAX_LOCATION_NAMESPACES = 16384  # a namespace named twice counts twice
+MAX_ENDPOINTS = 16
+MAX_ENDPOINT_CHARS = 1024
+
+
 def check_registration(registration: Registration) -> None:
     name = registration.location
     if not isinstance(name, str) or not name or len(name) > 256 or not name.isprintable():
         raise KvtierError(
             ErrorCode.INVALID_ARGUMENT, f"a location id is 1-256 printable characters: {name!r}"
         )
+    node = registration.node
+    if not isinstance(node, str) or len(node) > 256 or not node.isprintable():
+        raise KvtierError(ErrorCode.INVALID_ARGUMENT, "a node id is 0-256 printable characters")
+    if len(registration.namespaces) > MAX_LOCATION_NAMESPACES:
+        raise KvtierError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"a location serves at most {MAX_LOCATION_NAMESPACES} namespaces",
+        )
     for ns_id in registration.namespaces:
         if not isinstance(ns_id, bytes) or len(ns_id) != KEY_BYTES:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "a namespace id is 16 bytes")
+    endpoints = registration.endpoints
+    if len(endpoints) > MAX_ENDPOINTS or any(
+        len(k) > 64 or len(v) > MAX_ENDPOINT_CHARS or not (k + v).isprintable()
+        for k, v in endpoints.items()
+    ):
+        raise KvtierError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"at most {MAX_ENDPOINTS} endpoints, each a printable name of at most 64 characters "
+            f"and a value of at most {MAX_ENDPOINT_CHARS}",
+        )
 
 
 class ForwardingIndex(ChunkIndex):
@@ -385,6 +463,9 @@ class ForwardingIndex(ChunkIndex):
     def namespaces(self) -> dict[bytes, Namespace | None]:
         return self.inner.namespaces()
 
+    def namespace(self, ns_id: bytes) -> tuple[bool, Namespace | None]:
+        return self.inner.namespace(ns_id)
+
     def register(self, registration: Registration) -> LocationInfo:
         return self.inner.register(registration)
 
@@ -393,6 +474,9 @@ class ForwardingIndex(ChunkIndex):
 
     def locations(self) -> list[LocationInfo]:
         return self.inner.locations()
+
+    def location(self, name: str) -> LocationInfo | None:
+        return self.inner.location(name)
 
     def heartbeat(self, locations: Sequence[str]) -> list[HeartbeatStatus]:
         return self.inner.heartbeat(locations)

@@ -1,6 +1,7 @@
 """gRPC front of the index (``index.proto``): decode, call the wrapped ``ChunkIndex`` (the
-backend inside ``MeteredIndex``), encode. Errors leave as a gRPC status with the kvtier code in
-trailing metadata.
+backend inside ``MeteredIndex``) as the caller may (``IndexAccess``: tenants, owners of
+locations, bounds), encode. Errors leave as a gRPC status with the kvtier code in trailing
+metadata.
 
 Threading: gRPC runs handlers on its thread pool; the wrapped index is thread-safe.
 """
@@ -17,11 +18,11 @@ import grpc
 from kvtier import rpc
 from kvtier.auth import Permission
 from kvtier.errors import ErrorCode, KvtierError
-from kvtier.index.api import ChunkIndex
+from kvtier.index.access import IndexAccess
 from kvtier.index.client import wire
 from kvtier.index.proto import index_pb2 as pb
 from kvtier.index.proto import index_pb2_grpc
-from kvtier.keys import Namespace, unpack_keys
+from kvtier.keys import unpack_keys
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +32,16 @@ INDEX_PERMISSIONS: Mapping[str, Permission] = {
     "Query": P.INDEX_QUERY,
     "Locations": P.INDEX_QUERY,
     "Stats": P.INDEX_QUERY,
+    # on what (tenants' namespaces, one's own locations): ``IndexAccess``
     "Register": P.INDEX_ANNOUNCE,  # the index then dials the location's endpoints
     "Unregister": P.INDEX_ANNOUNCE,
     "Heartbeat": P.INDEX_ANNOUNCE,
     "RegisterNamespace": P.INDEX_WRITE,
     "Apply": P.INDEX_WRITE,
     "Replace": P.INDEX_WRITE,
-    "Claim": P.INDEX_WRITE,
+    # replicas claim the sources they write on their own backend, never over the API: a
+    # claim there stops every replica writing the source (until it lapses), so admins only
+    "Claim": P.INDEX_ADMIN,
     "Namespaces": P.INDEX_LIST,  # every tenant's namespace: routers and admins, not engines
     "Drop": P.INDEX_ADMIN,
     "Reap": P.INDEX_ADMIN,
@@ -45,27 +49,23 @@ INDEX_PERMISSIONS: Mapping[str, Permission] = {
 
 
 class IndexServicer(index_pb2_grpc.IndexServicer):
-    def __init__(self, index: ChunkIndex, stats: Callable[[], dict[str, Any]]) -> None:
-        self.index = index
+    def __init__(self, access: IndexAccess, stats: Callable[[], dict[str, Any]]) -> None:
+        self.access = access
+        self.index = access.index
         self._stats = stats
 
     @rpc.handler
     def Query(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.QueryReply:
-        results = self.index.query([wire.query_from_pb(q) for q in request.queries])
+        queries = [wire.query_from_pb(q) for q in request.queries]
+        results = self.access.query(rpc.caller(), queries)
         return pb.QueryReply(answers=[wire.result_to_pb(r) for r in results])
 
     @rpc.handler
     def RegisterNamespace(
         self, request: pb.RegisterNamespaceRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNamespaceReply:
-        if request.namespace_json:
-            try:
-                namespace: Namespace | bytes = Namespace.model_validate_json(request.namespace_json)
-            except ValueError as exc:
-                raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"bad namespace: {exc}") from exc
-        else:
-            namespace = request.ns_id
-        return pb.RegisterNamespaceReply(ns_id=self.index.register_namespace(namespace))
+        ns_id = self.access.register_namespace(rpc.caller(), request.namespace_json, request.ns_id)
+        return pb.RegisterNamespaceReply(ns_id=ns_id)
 
     @rpc.handler
     def Namespaces(
@@ -74,7 +74,7 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
         return pb.NamespacesReply(
             namespaces=[
                 pb.NamespaceEntry(ns_id=ns, namespace_json=d.model_dump_json() if d else "")
-                for ns, d in self.index.namespaces().items()
+                for ns, d in self.access.namespaces(rpc.caller()).items()
             ]
         )
 
@@ -82,26 +82,28 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
     def Register(
         self, request: pb.RegisterRequest, context: grpc.ServicerContext
     ) -> pb.RegisterReply:
-        info = self.index.register(wire.registration_from_pb(request.registration))
+        registration = wire.registration_from_pb(request.registration)
+        info = self.access.register(rpc.caller(), registration)
         return pb.RegisterReply(info=wire.info_to_pb(info))
 
     @rpc.handler
     def Unregister(
         self, request: pb.LocationRequest, context: grpc.ServicerContext
     ) -> pb.ExistedReply:
-        return pb.ExistedReply(existed=self.index.unregister(request.location))
+        return pb.ExistedReply(existed=self.access.unregister(rpc.caller(), request.location))
 
     @rpc.handler
     def Locations(
         self, request: pb.LocationsRequest, context: grpc.ServicerContext
     ) -> pb.LocationsReply:
-        return pb.LocationsReply(locations=[wire.info_to_pb(i) for i in self.index.locations()])
+        infos = self.access.locations(rpc.caller())
+        return pb.LocationsReply(locations=[wire.info_to_pb(i) for i in infos])
 
     @rpc.handler
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatReply:
-        statuses = self.index.heartbeat(list(request.locations))
+        statuses = self.access.heartbeat(rpc.caller(), list(request.locations))
         return pb.HeartbeatReply(statuses=[s.value for s in statuses])
 
     @rpc.handler
@@ -116,7 +118,8 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
 
     @rpc.handler
     def Apply(self, request: pb.ApplyRequest, context: grpc.ServicerContext) -> pb.ApplyReply:
-        status = self.index.apply(
+        status = self.access.apply(
+            rpc.caller(),
             request.location,
             [wire.op_from_pb(op) for op in request.ops],
             epoch=request.epoch,
@@ -131,33 +134,38 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
         for part in request.holdings:
             by_ns = holdings.setdefault(wire.tier_from(part.tier), {})
             by_ns.setdefault(part.ns_id, []).extend(unpack_keys(part.keys))
-        self.index.replace(request.location, holdings, epoch=request.epoch, seq=request.seq)
+        self.access.replace(
+            rpc.caller(), request.location, holdings, epoch=request.epoch, seq=request.seq
+        )
         return pb.ReplaceReply()
 
     @rpc.handler
     def Claim(self, request: pb.ClaimRequest, context: grpc.ServicerContext) -> pb.ClaimReply:
-        granted = self.index.claim(request.location, request.owner, request.ttl_s)
+        granted = self.access.claim(rpc.caller(), request.location, request.owner, request.ttl_s)
         return pb.ClaimReply(granted=granted)
 
     @rpc.handler
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
-        health, reason = self.index.health()
+        # the stats carry the health (``service._stats``), its reason as the caller may see it
+        stats = self.access.stats(rpc.caller(), self._stats())
         return pb.StatsReply(
-            stats_json=json.dumps(self._stats()), health=health.value, health_reason=reason
+            stats_json=json.dumps(stats),
+            health=stats["health"],
+            health_reason=stats["health_reason"],
         )
 
 
 def start_grpc_server(
-    index: ChunkIndex,
+    access: IndexAccess,
     stats: Callable[[], dict[str, Any]],
     host: str,
     port: int,
     workers: int = 8,
     security: rpc.ServerSecurity | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Serve ``index`` on host:port (port 0 picks a free one). Returns (server, bound port).
-    ``security``: who may call what (``INDEX_PERMISSIONS``)."""
-    servicer = IndexServicer(index, stats)
+    """Serve the index on host:port (port 0 picks a free one). Returns (server, bound port).
+    ``security``: who may call what (``INDEX_PERMISSIONS``); ``access``: on what."""
+    servicer = IndexServicer(access, stats)
     return rpc.start_server(
         [(index_pb2_grpc.add_IndexServicer_to_server, servicer)],
         host,

@@ -3,10 +3,12 @@
 Open: ``/healthz``, ``/readyz``, and ``/metrics`` unless ``auth.metrics_public`` is false.
 Everything else needs a credential when auth is configured (docs/security.md): ``/stats``,
 ``/locations`` and ``/query`` a reader's, ``/namespaces`` (every tenant's) a router's (reader)
-or an admin's, never an engine's.
+or an admin's, never an engine's. A caller limited to tenants sees only its tenants'
+namespaces, everywhere (``IndexAccess``).
 
 - ``GET /healthz``: the process answers (liveness).
-- ``GET /readyz``: 200 when the backend answers; 503 ``degraded`` with the reason otherwise.
+- ``GET /readyz``: 200 when the backend answers and no followed source is blinded; 503
+  ``degraded`` with the reason otherwise.
 - ``GET /metrics``: Prometheus text format.
 - ``GET /stats``: backend figures, locations, and every followed source, as JSON.
 - ``GET /locations``, ``GET /namespaces``.
@@ -29,16 +31,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvtier import __version__
-from kvtier.auth import Permission
+from kvtier.auth import Permission, Principal
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.http import HttpGuard
-from kvtier.index.api import ChunkIndex, IndexHealth, LocationInfo, Query, QueryResult
+from kvtier.index.access import IndexAccess
+from kvtier.index.api import IndexHealth, LocationInfo, Query, QueryResult
 from kvtier.keys import keys_from_hex
 
 _HTTP_STATUS = {
     ErrorCode.INVALID_ARGUMENT: 400,
     ErrorCode.UNKNOWN_NAMESPACE: 404,
     ErrorCode.UNKNOWN_LOCATION: 404,
+    ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.LIMIT_EXCEEDED: 429,
     ErrorCode.UNAVAILABLE: 503,
 }
 
@@ -108,7 +113,7 @@ def _error(exc: KvtierError) -> JSONResponse:
 
 
 def build_app(
-    index: ChunkIndex,
+    access: IndexAccess,
     registry: CollectorRegistry,
     stats: Callable[[], dict[str, Any]],
     started: Callable[[], bool],
@@ -116,7 +121,9 @@ def build_app(
     metrics_public: bool = True,
 ) -> FastAPI:
     app = FastAPI(title="kvtier index", version=__version__)
-    query_deps = [guard.require(Permission.INDEX_QUERY)]
+    index = access.index
+    querier = guard.require(Permission.INDEX_QUERY)  # the caller, a Principal
+    lister = guard.require(Permission.INDEX_LIST)
     metrics_deps = [] if metrics_public else [guard.require(Permission.METRICS)]
 
     @app.exception_handler(KvtierError)
@@ -140,27 +147,27 @@ def build_app(
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/stats", dependencies=query_deps)
-    def get_stats() -> dict[str, Any]:
-        return stats()
+    @app.get("/stats")
+    def get_stats(principal: Principal = querier) -> dict[str, Any]:
+        return access.stats(principal, stats())
 
-    @app.get("/locations", dependencies=query_deps)
-    def locations() -> list[dict[str, Any]]:
-        return [location_json(i) for i in index.locations()]
+    @app.get("/locations")
+    def locations(principal: Principal = querier) -> list[dict[str, Any]]:
+        return [location_json(i) for i in access.locations(principal)]
 
-    @app.get("/namespaces", dependencies=[guard.require(Permission.INDEX_LIST)])
-    def namespaces() -> dict[str, Any]:
+    @app.get("/namespaces")
+    def namespaces(principal: Principal = lister) -> dict[str, Any]:
         return {
             ns.hex(): (d.model_dump() if d is not None else None)
-            for ns, d in index.namespaces().items()
+            for ns, d in access.namespaces(principal).items()
         }
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(KvtierError(ErrorCode.INVALID_ARGUMENT, f"bad request: {exc.errors()}"))
 
-    @app.post("/query", dependencies=query_deps)
-    def query(body: Any = Body(...)) -> Response:  # noqa: B008 - FastAPI's idiom
+    @app.post("/query")
+    def query(body: Any = Body(...), principal: Principal = querier) -> Response:  # noqa: B008
         # a sync handler: FastAPI runs it on its thread pool, off the event loop
         try:
             if isinstance(body, dict) and "queries" in body:
@@ -172,7 +179,7 @@ def build_app(
         except (ValueError, ValidationError) as exc:
             return _error(KvtierError(ErrorCode.INVALID_ARGUMENT, f"bad query: {exc}"))
         try:
-            results = index.query([p.query() for p in prompts])
+            results = access.query(principal, [p.query() for p in prompts])
         except KvtierError as exc:
             return _error(exc)
         answers = [result_json(r) for r in results]

@@ -1,4 +1,5 @@
-"""Feeding the index: followers of sources, and the manager that runs them.
+"""Feeding the index: followers of sources (``index.follower``), and the manager that runs
+them.
 
 A *follower* owns one source (a vLLM engine's KV events, a node store's event stream), turns
 its events into chunk ops, and writes them to the index with the source's sequence numbers.
@@ -8,11 +9,22 @@ when the backend lost its data (``ChunkIndex.backend_resets`` grew: a Redis rest
 the index reports itself not ready (``ResyncGate``) until every source it waits for did.
 
 Replicas of the index that share a Redis all follow the same sources; ``ChunkIndex.claim``
-makes exactly one of them the writer of each source, the others stand by warm.
+makes exactly one of them the writer of each source, the others stand by warm. A claim not
+renewed lapses within ``index.max_claim_ttl_s`` whatever its claimant asked, and claims are
+asked for again after the backend lost its data (they went with it).
 
 The ``IngestManager`` starts followers for the configured sources and for registrations that
-name endpoints (``Register`` over the API, possibly on another replica), and reaps locations
-that stopped sending heartbeats.
+name endpoints (``Register`` over the API, possibly on another replica: at most
+``index.max_dynamic_followers``), stops those whose registration was unregistered or reaped,
+and reaps locations that stopped sending heartbeats. A follower started for a registration
+writes on its owner's behalf: only namespaces the owner's credential may use.
+
+Readiness: the index reports itself degraded while a source it follows is *blinded* for
+longer than ``index.source_grace_s``: the source is alive but the index does not learn it
+(its writes refused or failing, or standing by while no replica writes it), or a configured
+source cannot be followed at all (refused, failed). A source that is down is not blinded:
+its location is dropped after ``heartbeat_timeout_s`` and answers say nothing of it, which is
+true; one dead engine must not make the whole index unready.
 
 Threading: one thread per follower, one housekeeping thread. Followers own their sockets and
 their mapper; their ``SourceStats`` are plain counters read by the metrics collector.
@@ -20,169 +32,58 @@ their mapper; their ``SourceStats`` are plain counters read by the metrics colle
 
 from __future__ import annotations
 
-import abc
-import enum
 import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
 
 import zmq
 
+from kvtier.auth import Authenticator
 from kvtier.config_index import IndexConfig, StoreSource, VllmSource
 from kvtier.errors import KvtierError
 from kvtier.index.api import (
     ChunkIndex,
     ForwardingIndex,
-    HeartbeatStatus,
     IndexHealth,
+    LocationInfo,
+    LocationStatus,
     Registration,
+)
+from kvtier.index.follower import (
+    NOT_FOLLOWING,
+    Follower,
+    NamespaceFilter,
+    SourceState,
+    SourceStats,
 )
 from kvtier.rpc import ClientAuth
 
 log = logging.getLogger(__name__)
 
 
-class SourceState(enum.StrEnum):
-    STARTING = "starting"
-    CATCHING_UP = "catching_up"  # replaying what the source buffered / taking a snapshot
-    LIVE = "live"
-    STANDBY = "standby"  # another replica writes this source
-    UNREACHABLE = "unreachable"
-    FAILED = "failed"  # cannot follow (bad configuration); see detail
-
-
-@dataclass
-class SourceStats:
-    """What a follower did; counters only grow."""
-
-    source: str
-    kind: str  # vllm | store
-    state: SourceState = SourceState.STARTING
-    detail: str = ""
-    events: Counter[str] = field(default_factory=Counter)  # by event type
-    batches: int = 0
-    blocks: int = 0  # vLLM blocks stored
-    gaps_recovered: int = 0
-    gaps_lost: int = 0  # batches that could not be recovered
-    rejected: Counter[str] = field(default_factory=Counter)  # by reason
-    resyncs: int = 0  # whole-state writes
-    restarts: int = 0  # the source restarted (new incarnation)
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "kind": self.kind,
-            "state": self.state.value,
-            "detail": self.detail,
-            "events": dict(self.events),
-            "batches": self.batches,
-            "blocks": self.blocks,
-            "gaps_recovered": self.gaps_recovered,
-            "gaps_lost": self.gaps_lost,
-            "rejected": dict(self.rejected),
-            "resyncs": self.resyncs,
-            "restarts": self.restarts,
-        }
-
-
-class Follower(threading.Thread, abc.ABC):
-    """A thread following one source. Subclasses implement ``follow``."""
-
-    def __init__(
-        self, name: str, kind: str, index: ChunkIndex, config: IndexConfig, dynamic: bool
-    ) -> None:
-        super().__init__(name=f"kvtier-follow-{name}", daemon=True)
-        self.index = index
-        self.config = config
-        self.dynamic = dynamic  # started for a registration (stopped when it goes away)
-        self.stats = SourceStats(name, kind)
-        self.halt = threading.Event()
-        self._claim_due = 0.0
-        self._writer = False
-        self._beat_at = 0.0
-        self.heard_at = 0.0  # monotonic time the source last showed life
-        self.retry_at = 0.0  # after a failed write: when to try again
-        # the backend reset (``BackendResets.resets``) this follower last sent its whole state
-        # after; one started later owes none (it starts with a whole-state write anyway)
-        self.resynced_for = index.backend_resets().resets
-        self._reset_taken = self.resynced_for
-
-    @property
-    @abc.abstractmethod
-    def location(self) -> str: ...
-
-    @abc.abstractmethod
-    def follow(self) -> None:
-        """Run until ``halt`` is set."""
-
-    def run(self) -> None:
-        try:
-            self.follow()
-        except Exception as exc:  # a bug: keep the service up, say so
-            log.exception("follower %s failed", self.stats.source)
-            self.stats.state = SourceState.FAILED
-            self.stats.detail = repr(exc)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self.halt.set()
-        if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout)
-
-    def is_writer(self) -> bool:
-        """Hold (renewing as needed) the claim to write this source. False on standby;
-        raises the backend's error when it cannot tell (the caller retries later)."""
-        now = time.monotonic()
-        if now >= self._claim_due:
-            self._writer = False
-            self._writer = self.index.claim(
-                self.location, self.config.replica_id, self.config.claim_ttl_s
-            )
-            self._claim_due = now + self.config.claim_ttl_s / 3
-        return self._writer
-
-    def beat(self) -> HeartbeatStatus | None:
-        """Tell the index the source is alive: at most once per probe interval, and only if
-        the source showed life since the last time."""
-        now = time.monotonic()
-        if self.heard_at <= self._beat_at or now - self._beat_at < self.config.probe_interval_s:
-            return None
-        self._beat_at = now
-        try:
-            return self.index.heartbeat([self.location])[0]
-        except KvtierError:
-            return None
-
-    def take_reset(self) -> bool:
-        """True once per backend reset (the backend lost its data) this follower has not
-        answered yet: the caller registers again and sends its whole state. Once that write
-        succeeded, it sets ``resynced_for`` to ``index.backend_resets().resets`` as read
-        *before* the write (a reset during the write is owed again)."""
-        resets = self.index.backend_resets().resets
-        if resets > max(self.resynced_for, self._reset_taken):
-            self._reset_taken = resets
-            return True
-        return False
-
-    def heard(self) -> None:
-        self.heard_at = time.monotonic()
-        if self.stats.state is SourceState.UNREACHABLE:
-            self.stats.state = SourceState.LIVE
-            self.stats.detail = ""
-
-
 class IngestManager:
     """Runs the followers and the reaper of one index process."""
 
     def __init__(
-        self, index: ChunkIndex, config: IndexConfig, store_auth: ClientAuth | None = None
+        self,
+        index: ChunkIndex,
+        config: IndexConfig,
+        store_auth: ClientAuth | None = None,
+        verify: Authenticator | None = None,
+        owners: Mapping[str, frozenset[str] | None] | None = None,
     ) -> None:
-        """``store_auth``: what the index presents to the stores it follows."""
+        """``store_auth``: what the index presents to the stores it follows, once they proved
+        a node credential known to ``verify`` (None: no credentials to check proofs against,
+        which is only allowed where nothing is presented). ``owners``: credential name ->
+        salt digests it may use (None: all), for followers of registrations (``owner_salts``);
+        a registration by a credential not listed there may write no namespace."""
         self.index = index
         self.config = config
         self.store_auth = store_auth
+        self.verify = verify
+        self.owners = owners
         self._zmq = zmq.Context()
         self._followers: dict[str, Follower] = {}  # by source key
         self._lock = threading.Lock()
@@ -190,6 +91,7 @@ class IngestManager:
         self._thread = threading.Thread(target=self._housekeeping, name="kvtier-index-ingest")
         self.reaped: Counter[str] = Counter()
         self._unfollowable: set[str] = set()
+        self.unfollowed = 0  # registrations not followed: past max_dynamic_followers
 
     def start(self) -> None:
         for source in self.config.vllm:
@@ -198,9 +100,9 @@ class IngestManager:
                     self.index.register_namespace(ns)
             except KvtierError as exc:
                 log.warning("cannot register %s's namespaces yet: %s", source.instance, exc)
-            self._start_vllm(source, dynamic=False)
+            self._start_vllm(source)
         for store in self.config.stores:
-            self._start_store(store, dynamic=False)
+            self._start_store(store)
         self._thread.start()
 
     def stop(self) -> None:
@@ -220,60 +122,109 @@ class IngestManager:
         with self._lock:
             return [f.stats for f in self._followers.values()]
 
+    def followers(self) -> list[Follower]:
+        with self._lock:
+            return list(self._followers.values())
+
     def resyncing(self) -> list[str]:
         """Sources that still owe the backend their whole state since it lost its data.
 
-        Not waited for: standby followers (the replica holding the claim writes), failed or
-        stopped ones, and sources silent for ``heartbeat_timeout_s`` (the index would drop
-        them anyway; they send everything when they are heard again, as after any outage).
-        Waiting for those would keep the whole index unready because of one dead engine.
+        Not waited for: standby followers (the replica holding the claim writes; if none
+        does, ``blinded`` says so), failed or stopped ones, and sources silent for
+        ``heartbeat_timeout_s`` (the index would drop them anyway; they send everything when
+        they are heard again, as after any outage). Waiting for those would keep the whole
+        index unready because of one dead engine.
         """
         resets = self.index.backend_resets().resets
         if not resets:
             return []
         now = time.monotonic()
-        with self._lock:
-            followers = list(self._followers.values())
         return sorted(
             f.stats.source
-            for f in followers
+            for f in self.followers()
             if f.resynced_for < resets
             and f.is_alive()
             and f.stats.state not in (SourceState.STANDBY, SourceState.FAILED)
             and now - f.heard_at < self.config.heartbeat_timeout_s
         )
 
+    def blinded(self) -> list[str]:
+        """Sources the index has not been learning for longer than ``source_grace_s`` (see
+        the module doc), each with why; no source details (``/readyz`` is open)."""
+        now = time.monotonic()
+        grace = self.config.source_grace_s
+        out = []
+        for f in self.followers():
+            s = f.stats
+            since = f.blind_since
+            if (
+                since is not None
+                and now - since > grace
+                and now - f.heard_at < self.config.heartbeat_timeout_s
+            ):
+                out.append(f"{s.source} ({s.blind}, {now - since:.0f} s)")
+            elif not f.dynamic and s.state in NOT_FOLLOWING and now - s.state_since > grace:
+                out.append(f"{s.source} ({s.state.value}, {now - s.state_since:.0f} s)")
+        return sorted(out)
+
     def readiness(self, health: tuple[IndexHealth, str]) -> tuple[IndexHealth, str]:
-        """The backend's ``health``, or DEGRADED while sources resync after it lost its data:
-        until then answers miss what those sources hold."""
+        """The backend's ``health``, or DEGRADED while sources resync after it lost its data
+        (until then answers miss what those sources hold), or while sources are blinded."""
         if health[0] is IndexHealth.OK:
             owed = self.resyncing()
             if owed:
                 reason = self.index.backend_resets().reason
                 return IndexHealth.DEGRADED, f"{reason}: resyncing {', '.join(owed)}"
+            blind = self.blinded()
+            if blind:
+                return IndexHealth.DEGRADED, f"not learning followed sources: {'; '.join(blind)}"
         return health
 
-    def _start_vllm(self, source: VllmSource, dynamic: bool) -> None:
+    def _may_write(self, owner: str) -> NamespaceFilter:
+        """What a follower of ``owner``'s registration may write (the rule of the API)."""
+        if not owner or self.owners is None:
+            return lambda _: True
+        salts = self.owners.get(owner, frozenset())  # a credential since removed: nothing
+        if salts is None:
+            return lambda _: True
+        return lambda ns: ns is not None and ns.cache_salt in salts
+
+    def _start_vllm(self, source: VllmSource, registration: Registration | None = None) -> bool:
         from kvtier.index.vllm_events import VllmFollower
 
         key = f"vllm:{source.instance}"
+        owner = registration.owner if registration is not None else ""
         with self._lock:
             if key in self._followers:
-                return
-            follower = VllmFollower(source, self.index, self.config, self._zmq, dynamic)
+                return False
+            follower = VllmFollower(
+                source, self.index, self.config, self._zmq, registration is not None
+            )
+            follower.owner, follower.may_write = owner, self._may_write(owner)
             self._followers[key] = follower
         follower.start()
+        return True
 
-    def _start_store(self, store: StoreSource, dynamic: bool) -> None:
+    def _start_store(self, store: StoreSource, registration: Registration | None = None) -> bool:
+        """``registration``: the one it is followed for (dynamic); its owner's credential is
+        the one the store must prove holding. None: configured, any node credential."""
         from kvtier.index.store_events import StoreFollower
 
         key = f"store:{store.address}"
         with self._lock:
             if key in self._followers:
-                return
-            follower = StoreFollower(store, self.index, self.config, dynamic, self.store_auth)
+                return False
+            follower = StoreFollower(
+                store, self.index, self.config, registration is not None, self.store_auth,
+                verify=self.verify,
+            )  # fmt: skip
+            if registration is not None:
+                follower.registered_as = registration.location
+                follower.owner = registration.owner
+                follower.may_write = self._may_write(registration.owner)
             self._followers[key] = follower
         follower.start()
+        return True
 
     def _housekeeping(self) -> None:
         interval = min(self.config.probe_interval_s, self.config.heartbeat_timeout_s / 4)
@@ -294,29 +245,45 @@ class IngestManager:
                 log.exception("index housekeeping failed")
 
     def sync(self) -> None:
-        """Follow every registered location that names endpoints; stop following those that
-        were unregistered."""
-        registrations = {info.registration.location: info.registration
-                         for info in self.index.locations()}  # fmt: skip
-        for reg in registrations.values():
-            if reg.endpoints.get("events") and f"vllm:{reg.location}" not in self._followers:
-                source = self._vllm_source(reg)
-                if source is not None:
-                    self._start_vllm(source, dynamic=True)
-            address = reg.endpoints.get("store")
-            if address and f"store:{address}" not in self._followers:
-                self._start_store(StoreSource(address=address), dynamic=True)
+        """Follow every registered location that names endpoints (at most
+        ``max_dynamic_followers`` of them); stop following those that were unregistered,
+        dropped for silence (their registrant registers them again when back), or
+        registered again with other endpoints or by another credential."""
+        infos = {info.registration.location: info for info in self.index.locations()}
         with self._lock:
             gone = [
                 (key, f)
                 for key, f in self._followers.items()
-                if f.dynamic
-                and (not f.is_alive() or (f.location and f.location not in registrations))
+                if f.dynamic and _stale(f, infos.get(f.registered_as))
             ]
             for key, _ in gone:
                 del self._followers[key]
+            dynamic = sum(1 for f in self._followers.values() if f.dynamic)
+        for _, follower in gone:  # all told first: each may be waiting on a dead endpoint
+            follower.halt.set()
         for _, follower in gone:
             follower.stop()
+        unfollowed = 0
+        for info in infos.values():
+            reg = info.registration
+            events, address = reg.endpoints.get("events"), reg.endpoints.get("store")
+            key = f"vllm:{reg.location}" if events else f"store:{address}" if address else ""
+            if not key or info.status is not LocationStatus.UP or key in self._followers:
+                continue
+            if dynamic >= self.config.max_dynamic_followers:
+                unfollowed += 1
+                continue
+            if events:
+                source = self._vllm_source(reg)
+                started = source is not None and self._start_vllm(source, reg)
+            else:
+                started = self._start_store(StoreSource(address=address or ""), reg)
+            dynamic += started
+        if unfollowed and not self.unfollowed:
+            log.warning("%d registered sources not followed: the index follows at most %d "
+                        "(index.max_dynamic_followers)", unfollowed,
+                        self.config.max_dynamic_followers)  # fmt: skip
+        self.unfollowed = unfollowed
 
     def _vllm_source(self, reg: Registration) -> VllmSource | None:
         known = self.index.namespaces()
@@ -340,6 +307,15 @@ class IngestManager:
             node=reg.node,
             api=reg.endpoints.get("api") or None,
         )
+
+
+def _stale(follower: Follower, info: LocationInfo | None) -> bool:
+    """Should the dynamic ``follower`` stop, its registration being ``info`` now?"""
+    if not follower.is_alive() or info is None or info.status is not LocationStatus.UP:
+        return True
+    reg = info.registration
+    named = reg.endpoints.get("store" if follower.stats.kind == "store" else "events")
+    return reg.owner != follower.owner or named != follower.endpoint
 
 
 class ResyncGate(ForwardingIndex):

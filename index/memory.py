@@ -39,6 +39,9 @@ from kvtier.index.api import (
     check_registration,
     order_holdings,
     resolve_keys,
+    too_many_namespaces,
+    unknown_location,
+    unserved_namespace,
 )
 from kvtier.keys import KEY_BYTES, Namespace
 from kvtier.store.api.events import EventKind
@@ -121,8 +124,12 @@ def leading_runs(bitmaps: Sequence[int], low: int) -> tuple[dict[int, int], dict
 
 
 class MemoryIndex(ChunkIndex):
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.time, max_namespaces: int | None = None
+    ) -> None:
+        """``max_namespaces``: refuse a new namespace past this many (None: no bound)."""
         self._clock = clock
+        self._max_ns = max_namespaces
         self._lock = threading.RLock()
         self._ns: dict[bytes, Namespace | None] = {}
         self._locs: dict[str, _Location] = {}
@@ -134,30 +141,34 @@ class MemoryIndex(ChunkIndex):
     # -- namespaces and locations -------------------------------------------------------------
 
     def register_namespace(self, namespace: Namespace | bytes) -> bytes:
+        definition: Namespace | None = None
         if isinstance(namespace, Namespace):
-            ns_id = namespace.root_key()
-            with self._lock:
-                self._ns[ns_id] = namespace
-            return ns_id
-        if not isinstance(namespace, bytes) or len(namespace) != KEY_BYTES:
+            ns_id, definition = namespace.root_key(), namespace
+        elif not isinstance(namespace, bytes) or len(namespace) != KEY_BYTES:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "a namespace id is 16 bytes")
+        else:
+            ns_id = namespace
         with self._lock:
-            self._ns.setdefault(namespace, None)
-        return namespace
+            if ns_id not in self._ns and self._max_ns is not None and len(self._ns) >= self._max_ns:
+                raise too_many_namespaces(self._max_ns)
+            if definition is not None or ns_id not in self._ns:
+                self._ns[ns_id] = definition
+        return ns_id
 
     def namespaces(self) -> dict[bytes, Namespace | None]:
         with self._lock:
             return dict(self._ns)
+
+    def namespace(self, ns_id: bytes) -> tuple[bool, Namespace | None]:
+        with self._lock:
+            return ns_id in self._ns, self._ns.get(ns_id)
 
     def register(self, registration: Registration) -> LocationInfo:
         check_registration(registration)
         with self._lock:
             for ns_id in registration.namespaces:
                 if ns_id not in self._ns:
-                    raise KvtierError(
-                        ErrorCode.UNKNOWN_NAMESPACE,
-                        f"register namespace {ns_id.hex()} before a location that serves it",
-                    )
+                    raise unserved_namespace(ns_id)
             now = self._clock()
             loc = self._locs.get(registration.location)
             if loc is None:
@@ -188,6 +199,11 @@ class MemoryIndex(ChunkIndex):
     def locations(self) -> list[LocationInfo]:
         with self._lock:
             return [loc.info() for loc in self._locs.values()]
+
+    def location(self, name: str) -> LocationInfo | None:
+        with self._lock:
+            loc = self._locs.get(name)
+            return loc.info() if loc is not None else None
 
     def heartbeat(self, locations: Sequence[str]) -> list[HeartbeatStatus]:
         out = []
@@ -233,9 +249,7 @@ class MemoryIndex(ChunkIndex):
     def _get(self, location: str) -> _Location:
         loc = self._locs.get(location)
         if loc is None:
-            raise KvtierError(
-                ErrorCode.UNKNOWN_LOCATION, f"location {location!r} is not registered"
-            )
+            raise unknown_location(location)
         return loc
 
     def apply(

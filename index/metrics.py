@@ -32,7 +32,7 @@ from kvtier.index.api import (
     Query,
     QueryResult,
 )
-from kvtier.index.ingest import SourceState, SourceStats
+from kvtier.index.follower import SourceState, SourceStats
 
 # Seconds: an in-memory query of a 128k-token prompt takes ~0.1-1 ms, a Redis one a few ms.
 QUERY_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)

@@ -55,6 +55,9 @@ from kvtier.index.api import (
     check_registration,
     order_holdings,
     resolve_keys,
+    too_many_namespaces,
+    unknown_location,
+    unserved_namespace,
 )
 from kvtier.index.backend_watch import GenerationWatch
 from kvtier.keys import KEY_BYTES, Namespace
@@ -75,6 +78,7 @@ def _reg_to_json(reg: Registration) -> str:
             "namespaces": [ns.hex() for ns in reg.namespaces],
             "node": reg.node,
             "endpoints": dict(reg.endpoints),
+            "owner": reg.owner,
         }
     )
 
@@ -87,6 +91,7 @@ def _reg_from_json(text: bytes | str) -> Registration:
         namespaces=tuple(bytes.fromhex(ns) for ns in data["namespaces"]),
         node=data["node"],
         endpoints=data["endpoints"],
+        owner=data.get("owner", ""),  # registrations written before owners were recorded
     )
 
 
@@ -97,8 +102,14 @@ class RedisIndex(ChunkIndex):
         prefix: str = "kvtier:index:",
         timeout_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        max_namespaces: int | None = None,
+        max_claim_ttl_s: float | None = None,
     ) -> None:
+        """``max_namespaces``: refuse a new namespace past this many (None: no bound).
+        ``max_claim_ttl_s``: the longest any claim lasts without renewal (None: as asked)."""
         self.url = url
+        self._max_ns = max_namespaces or 0
+        self._max_claim_ms = int(max_claim_ttl_s * 1000) if max_claim_ttl_s else 0
         self._p = prefix.encode()
         self._clock = clock
         self._r = redis.Redis.from_url(
@@ -113,6 +124,7 @@ class RedisIndex(ChunkIndex):
         self._drop = self._r.register_script(redis_lua.DROP)
         self._heartbeat = self._r.register_script(redis_lua.HEARTBEAT)
         self._claim = self._r.register_script(redis_lua.CLAIM)
+        self._register_ns = self._r.register_script(redis_lua.REGISTER_NS)
         self._query_script = self._r.register_script(redis_lua.QUERY)
         self._lock = threading.Lock()
         self._ns: dict[bytes, Namespace | None] = {}
@@ -185,18 +197,24 @@ class RedisIndex(ChunkIndex):
     # -- namespaces and locations -------------------------------------------------------------
 
     def register_namespace(self, namespace: Namespace | bytes) -> bytes:
+        definition: Namespace | None = None
         if isinstance(namespace, Namespace):
-            ns_id = namespace.root_key()
-            self._call(self._r.hset, self._p + b"ns", ns_id, namespace.model_dump_json())
-            with self._lock:
-                self._ns[ns_id] = namespace
-            return ns_id
-        if not isinstance(namespace, bytes) or len(namespace) != KEY_BYTES:
+            ns_id, definition = namespace.root_key(), namespace
+        elif not isinstance(namespace, bytes) or len(namespace) != KEY_BYTES:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "a namespace id is 16 bytes")
-        self._call(self._r.hsetnx, self._p + b"ns", namespace, b"")
+        else:
+            ns_id = namespace
+        # one script: the bound holds across replicas sharing this Redis
+        text = definition.model_dump_json() if definition is not None else ""
+        args = [ns_id, text, self._max_ns]
+        if not self._call(self._register_ns, keys=[self._p + b"ns"], args=args):
+            raise too_many_namespaces(self._max_ns)
         with self._lock:
-            self._ns.setdefault(namespace, None)  # known: written back after a reset
-        return namespace
+            if definition is not None:
+                self._ns[ns_id] = definition
+            else:
+                self._ns.setdefault(ns_id, None)  # known: written back after a reset
+        return ns_id
 
     def namespaces(self) -> dict[bytes, Namespace | None]:
         raw = self._call(self._r.hgetall, self._p + b"ns")
@@ -204,6 +222,9 @@ class RedisIndex(ChunkIndex):
         with self._lock:
             self._ns.update(out)
         return out
+
+    def namespace(self, ns_id: bytes) -> tuple[bool, Namespace | None]:
+        return self._namespace(ns_id)
 
     def register(self, registration: Registration) -> LocationInfo:
         check_registration(registration)
@@ -220,10 +241,7 @@ class RedisIndex(ChunkIndex):
         )
         if result[0] == b"unknown_ns":
             self._suspect()
-            raise KvtierError(
-                ErrorCode.UNKNOWN_NAMESPACE,
-                f"register namespace {result[1].hex()} before a location that serves it",
-            )
+            raise unserved_namespace(result[1])
         with self._lock:
             self._regs[registration.location] = registration
             self._own.add(registration.location)
@@ -258,6 +276,9 @@ class RedisIndex(ChunkIndex):
             Cursor(int(raw[3]), int(raw[4])),
             dict(zip(INDEX_TIERS, counts, strict=True)),
         )
+
+    def location(self, name: str) -> LocationInfo | None:
+        return self._location(name)
 
     def locations(self) -> list[LocationInfo]:
         names = self._call(self._r.hkeys, self._p + b"locs")
@@ -300,7 +321,11 @@ class RedisIndex(ChunkIndex):
 
     def claim(self, location: str, owner: str, ttl_s: float) -> bool:
         key = self._p + b"w:" + location.encode()
-        return bool(self._call(self._claim, keys=[key], args=[owner, int(ttl_s * 1000)]))
+        ttl_ms = int(ttl_s * 1000)
+        if self._max_claim_ms:
+            ttl_ms = min(ttl_ms, self._max_claim_ms)
+        args = [owner, max(ttl_ms, 1), self._max_claim_ms]
+        return bool(self._call(self._claim, keys=[key], args=args))
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -345,9 +370,7 @@ class RedisIndex(ChunkIndex):
         result = self._call(self._apply, keys=[self._loc_key(location)], args=args).decode()
         if result == "unknown":
             self._suspect()
-            raise KvtierError(
-                ErrorCode.UNKNOWN_LOCATION, f"location {location!r} is not registered"
-            )
+            raise unknown_location(location)
         return ApplyStatus(result)
 
     def replace(
@@ -368,9 +391,7 @@ class RedisIndex(ChunkIndex):
         )
         if begun == b"unknown":
             self._suspect()
-            raise KvtierError(
-                ErrorCode.UNKNOWN_LOCATION, f"location {location!r} is not registered"
-            )
+            raise unknown_location(location)
         for tier, by_ns in holdings.items():
             for ns_id, keys in by_ns.items():
                 for start in range(0, len(keys), REPLACE_BATCH):

@@ -9,7 +9,7 @@ Key layout under the prefix ``P`` (bytes, default ``kvtier:index:``):
 - ``P locs``       hash name -> idx;  ``P idx`` hash idx -> name;  ``P free`` set of idx;
   ``P next`` counter.
 - ``P ns``         hash namespace id (16 raw bytes) -> Namespace JSON ('' = known by id).
-- ``P w:<name>``   the writer claim of a location (value = owner, with a TTL).
+- ``P w:<name>``   the writer claim of a location (value = the replica, with a TTL).
 - ``P generation`` a random id: missing or changed means Redis lost the rest (see
   ``backend_watch``).
 
@@ -157,7 +157,9 @@ end
 return 'ok'
 """
 
-# KEYS[1] = claim key. ARGV: owner, ttl_ms.
+# KEYS[1] = claim key. ARGV: owner, ttl_ms, max_ttl_ms (0 = no bound). Another holder's claim
+# that would outlive max_ttl_ms (set by a claimant asking more, by older code, or by hand) is
+# cut to it: a claimant that stops renewing loses the source that soon, whatever it asked.
 CLAIM = """
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
@@ -168,7 +170,26 @@ if not holder then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return 1
 end
+local max = tonumber(ARGV[3])
+if max > 0 then
+  local left = redis.call('PTTL', KEYS[1])
+  if left < 0 or left > max then redis.call('PEXPIRE', KEYS[1], max) end
+end
 return 0
+"""
+
+# KEYS[1] = the namespaces hash. ARGV: ns id, definition JSON ('' = known by id only), max
+# namespaces (0 = no bound). A definition replaces an id-only entry, never the reverse.
+# Returns 0 when the namespace is new and the hash already holds max.
+REGISTER_NS = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+  if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+  return 1
+end
+local max = tonumber(ARGV[3])
+if max > 0 and redis.call('HLEN', KEYS[1]) >= max then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
 """
 
 # ARGV: P, the prompt's chunk keys packed (16 bytes each, in order). The bitmaps are read in

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from kvtier.config import KvtierConfig
 from kvtier.config_auth import AuthConfig
 from kvtier.config_index import IndexConfig
 from kvtier.http import HttpGuard, HttpServer
+from kvtier.index.access import IndexAccess, owner_salts, tenant_salts
 from kvtier.index.api import ChunkIndex, ForwardingIndex, IndexHealth
 from kvtier.index.client import connect  # noqa: F401 - kvtier.index.service.connect, kept
 from kvtier.index.grpc_server import INDEX_PERMISSIONS, start_grpc_server
@@ -39,10 +41,16 @@ def build_backend(config: IndexConfig) -> ChunkIndex:
     if config.backend == "redis":
         from kvtier.index.redis_backend import RedisIndex
 
-        return RedisIndex(config.redis_url, config.redis_prefix, config.redis_timeout_s)
+        return RedisIndex(
+            config.redis_url,
+            config.redis_prefix,
+            config.redis_timeout_s,
+            max_namespaces=config.max_namespaces,
+            max_claim_ttl_s=config.max_claim_ttl_s,
+        )
     from kvtier.index.memory import MemoryIndex
 
-    return MemoryIndex()
+    return MemoryIndex(max_namespaces=config.max_namespaces)
 
 
 def tune_gc() -> None:
@@ -90,18 +98,29 @@ class IndexService:
         config: IndexConfig,
         backend: ChunkIndex | None = None,
         auth: AuthConfig | None = None,
+        tenants: Mapping[str, Iterable[str]] | None = None,
     ) -> IndexService:
-        """``auth``: who may call the index, and what it presents to the stores it follows."""
+        """``auth``: who may call the index, and what it presents to the stores it follows
+        (once they proved a node credential of ``auth``). ``tenants``: tenant name -> salt
+        digests (``tenant_salts(store.tenants)``), what an engine's ``tenants`` limit it to;
+        without them such an engine sees no namespace at all."""
         auth = auth or AuthConfig()
         check_exposure("kvtier index", [config.grpc_host, config.http_host], auth)
-        authenticator = Authenticator(auth)
+        tenants = tenants or {}
+        authenticator = Authenticator(auth, tenants)
         security = rpc.ServerSecurity(
             authenticator, INDEX_PERMISSIONS, auth.tls if auth.tls.enabled else None
         )
         backend = backend if backend is not None else build_backend(config)
         ingest: IngestManager | None = None
         try:
-            ingest = IngestManager(backend, config, rpc.ClientAuth.from_config(auth))
+            ingest = IngestManager(
+                backend,
+                config,
+                rpc.ClientAuth.from_config(auth),
+                verify=authenticator,
+                owners=owner_salts(auth, tenants),
+            )
             # health (readiness, metrics, stats) says "resyncing" until the sources have
             # resent their state after the backend lost its data
             gate = ResyncGate(backend, ingest)
@@ -111,8 +130,9 @@ class IndexService:
             def stats() -> dict[str, Any]:
                 return _stats(metered, ingest)
 
+            access = IndexAccess(metered, config)
             server, grpc_port = start_grpc_server(
-                metered,
+                access,
                 stats,
                 config.grpc_host,
                 config.grpc_port,
@@ -122,7 +142,7 @@ class IndexService:
             started = threading.Event()
             http = HttpServer(
                 build_app(
-                    metered,
+                    access,
                     registry,
                     stats,
                     started.is_set,
@@ -168,12 +188,15 @@ def _stats(index: ChunkIndex, ingest: IngestManager) -> dict[str, Any]:
         out["backend_error"] = str(exc)
     out["sources"] = [s.snapshot() for s in ingest.sources()]
     out["reaped"] = dict(ingest.reaped)
+    out["unfollowed"] = ingest.unfollowed  # registrations past max_dynamic_followers
     return out
 
 
 def serve(config: KvtierConfig) -> None:
     """Run the index until SIGINT/SIGTERM. Prints one JSON 'ready' line on stdout."""
-    service = IndexService.start(config.index, auth=config.auth)
+    service = IndexService.start(
+        config.index, auth=config.auth, tenants=tenant_salts(config.store.tenants)
+    )
     tune_gc()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -40,7 +40,7 @@ import zmq
 from kvtier.config_index import IndexConfig, VllmSource
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.index.api import ApplyStatus, ChunkIndex, HeartbeatStatus, LocationKind, Registration
-from kvtier.index.ingest import Follower, SourceState
+from kvtier.index.follower import Follower, SourceState
 from kvtier.index.vllm_blocks import BlockMapper
 from kvtier.index.vllm_wire import (
     END_SEQ,
@@ -101,6 +101,10 @@ class VllmFollower(Follower):
     @property
     def location(self) -> str:
         return self.source.instance
+
+    @property
+    def endpoint(self) -> str:
+        return self.source.endpoint
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -347,16 +351,40 @@ class VllmFollower(Follower):
             tuple(ns.root_key() for ns in self._namespaces),
             node=self.source.node,
             endpoints=endpoints,
+            owner=self.owner,
         )
 
     def _register(self) -> None:
-        """(Re-)register every namespace and the instance: also after the backend lost them."""
-        self._namespaces += self.mapper.new_namespaces
+        """(Re-)register every namespace and the instance: also after the backend lost them.
+        Namespaces its registrant may not write (another tenant's salt in the engine's
+        events), or past the index's bound, are left out, and their chunks unindexed."""
+        self._namespaces = [
+            ns
+            for ns in [*self._namespaces, *self.mapper.new_namespaces]
+            if self.writable(ns, ns.root_key())
+        ]
         self.mapper.new_namespaces.clear()
-        for ns in self._namespaces:
-            self.index.register_namespace(ns)
+        if not self.may_register():
+            return
+        for ns in list(self._namespaces):
+            try:
+                self.index.register_namespace(ns)
+            except KvtierError as exc:
+                if exc.code is not ErrorCode.LIMIT_EXCEEDED:
+                    raise
+                self._namespaces.remove(ns)
+                self.refused_ns.add(ns.root_key())
+                self.stats.rejected["namespace_limit"] += 1
         self.index.register(self._registration())
         self._registered = True
+
+    def _holdings(self) -> dict:
+        held = self.mapper.holdings()
+        if self.refused_ns:
+            for by_ns in held.values():
+                for ns in self.refused_ns.intersection(by_ns):
+                    del by_ns[ns]
+        return held
 
     def _flush(self) -> None:
         ops = self.mapper.take_ops()
@@ -370,10 +398,15 @@ class VllmFollower(Follower):
                 self._registered = self._synced = False
             if not self._registered or self.mapper.new_namespaces:
                 self._register()
+                if self.halt.is_set():  # its registrant unregistered it: stop here
+                    return
+            if self.refused_ns:  # not its registrant's to write, or past the bound
+                ops = [op for op in ops if op.ns_id not in self.refused_ns]
             if not self.is_writer():
                 self._synced = False  # taking over later starts with a whole-state write
                 self.stats.state = SourceState.STANDBY
                 self.beat()
+                self.check_standby()
                 return
             upto = self._next or 0  # 1-based seq of the newest batch the mapper applied
             if self._synced and ops:
@@ -384,19 +417,22 @@ class VllmFollower(Follower):
                         self.location, ops, epoch=self._epoch, seq_from=self._written + 1,
                         seq_to=upto,
                     )  # fmt: skip
-                    if status is ApplyStatus.RESYNC:
-                        self._synced = False
-                    else:
+                    if status is ApplyStatus.APPLIED:
                         self._written = upto
+                        self.unblind()
+                    else:
+                        # RESYNC, or DUPLICATE: batches this follower never sent are in the
+                        # cursor (it alone writes this location): someone else moved it
+                        self.blind(f"the index answered {status.value} to its batches")
+                        self._synced = False
             if not self._synced:
                 resets = self.index.backend_resets().resets  # a reset during it is owed again
-                self.index.replace(
-                    self.location, self.mapper.holdings(), epoch=self._epoch, seq=upto
-                )
+                self.index.replace(self.location, self._holdings(), epoch=self._epoch, seq=upto)
                 self.resynced_for = resets
                 self._synced = True
                 self._written = upto
                 self.stats.resyncs += 1
+                self.unblind()
             if self.beat() is HeartbeatStatus.RESYNC:
                 self._synced = False
             if self.stats.state is not SourceState.UNREACHABLE:
@@ -404,6 +440,7 @@ class VllmFollower(Follower):
                 self.stats.detail = ""
         except KvtierError as exc:
             self._synced = False
+            self.blind("the index refuses or fails its writes")
             self.retry_at = time.monotonic() + min(1.0, self.config.probe_interval_s)
             if exc.code is ErrorCode.UNKNOWN_LOCATION:
                 # forgotten: unregistered, or Redis lost it. A source of our configuration

@@ -65,6 +65,9 @@ VLLM = {"instance": "a", "endpoint": "tcp://x:1", "namespaces": [NS]}
         ({"index.vllm": [{**VLLM, "namespaces": []}]}, "namespaces"),
         ({"index.vllm": [{**VLLM, "namespaces": [{"model": "m"}]}]}, "dtype"),
         ({"index.vllm": [VLLM, VLLM]}, "unique"),
+        ({"index.claim_ttl_s": 40, "index.max_claim_ttl_s": 30}, "max_claim_ttl_s"),
+        ({"index.max_namespace_bytes": 10}, "max_namespace_bytes"),
+        ({"index.source_grace_s": 0}, "source_grace_s"),
     ],
 )
 def test_bad_index_settings_are_refused(flags: dict, message: str) -> None:

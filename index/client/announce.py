@@ -3,7 +3,10 @@
 Node stores announce themselves (``kvtier store serve --index``), and so do vLLM instances
 through the connector when they publish KV events: the index then follows their events without
 being configured with every source. The index may start after them or restart (an in-memory
-backend forgets): the announcer checks every ``interval_s`` and registers again when needed.
+backend forgets), drop the location for silence (it then stops following it), or hold another
+registration under the name: the announcer checks every ``interval_s`` and registers again
+when the location is missing, down, or not the one announced (kind, endpoints). A refusal
+(the name is another credential's, a bound) is logged as a warning, once per kind of answer.
 
 Threading: one daemon thread per announcer.
 """
@@ -13,7 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvtier.index.api import Registration
+from kvtier.errors import KvtierError
+from kvtier.index.api import LocationInfo, LocationStatus, Registration
 from kvtier.keys import Namespace
 from kvtier.rpc import ClientAuth
 
@@ -44,20 +48,39 @@ class Announcer:
 
         client = None
         name = self.registration.location
+        refused = ""
         while not self._stop.is_set():
             try:
                 client = client or GrpcIndexClient(self.index_address, auth=self.auth)
-                if name not in {i.registration.location for i in client.locations()}:
+                info = next(
+                    (i for i in client.locations() if i.registration.location == name), None
+                )
+                if not self._current(info):
                     for namespace in self.namespaces:  # definitions: token queries need them
                         client.register_namespace(namespace)
                     client.register(self.registration)
                     log.info("announced %s to the index at %s", name, self.index_address)
                 self.registered.set()
+                refused = ""
+            except KvtierError as exc:
+                level = logging.WARNING if exc.code.value != refused else logging.DEBUG
+                log.log(level, "announcing %s to %s failed: %s", name, self.index_address, exc)
+                refused = exc.code.value
             except Exception as exc:
                 log.debug("announcing %s to %s failed: %s", name, self.index_address, exc)
             self._stop.wait(self.interval_s)
         if client is not None:
             client.close()
+
+    def _current(self, info: LocationInfo | None) -> bool:
+        """Does the index hold this announcement (up, same kind and endpoints)? Its
+        namespaces may differ: the index adds those it learns from the location's events."""
+        if info is None or info.status is not LocationStatus.UP:
+            return False
+        reg = info.registration
+        return reg.kind is self.registration.kind and all(
+            reg.endpoints.get(k) == v for k, v in self.registration.endpoints.items()
+        )
 
     def stop(self) -> None:
         self._stop.set()
