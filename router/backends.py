@@ -3,8 +3,9 @@ what its KV is (namespace, node), how loaded it is, whether it is healthy.
 
 Sources: ``router.backends`` (listed by hand) and, with ``router.discover``, every instance
 that announced an ``api`` endpoint to the index (the connector does, with
-``connector.instance_api``). ``refresh`` re-reads the index; an instance added or gone is
-picked up while serving.
+``connector.instance_api``) whose URL the ``DiscoveryPolicy`` admits (``discovery.py``: an
+announcement alone is not trusted). ``refresh`` re-reads the index; an instance added or gone
+is picked up while serving.
 
 Load is the router's own accounting (prompt tokens dispatched and not yet answered with a
 first token: pending prefill; requests in flight) plus what ``/metrics`` scrapes say
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from kvtier.config_router import RouterConfig
 from kvtier.index.api import ChunkIndex, LocationKind, LocationStatus
+from kvtier.router.discovery import DiscoveryPolicy
 from kvtier.router.policies import Load
 
 log = logging.getLogger(__name__)
@@ -65,9 +67,17 @@ class NoBackend(Exception):
 
 
 class Backends:
-    def __init__(self, config: RouterConfig, index: ChunkIndex | None = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        index: ChunkIndex | None = None,
+        discovery: DiscoveryPolicy | None = None,
+    ) -> None:
+        """``discovery``: which announced instances to admit (default: as configured for a
+        deployment with credentials, i.e. ``router.discover_allow`` or none)."""
         self.config = config
         self.index = index
+        self.discovery = discovery or DiscoveryPolicy.from_config(config, anonymous=False)
         self._lock = threading.Lock()
         self._by_name: dict[str, Backend] = {}
         for spec in config.backends:
@@ -92,15 +102,30 @@ class Backends:
             namespace = reg.namespaces[0] if reg.namespaces else None
             announced[reg.location] = (reg.endpoints.get("api", ""), reg.node, namespace)
         with self._lock:
+            static = {n for n, b in self._by_name.items() if b.static}
+        # decided outside the lock (a refusal logs); listed instances keep their own URL
+        admitted = {
+            name
+            for name, (url, _, _) in announced.items()
+            if name not in static
+            and url
+            and self.config.discover
+            and self.discovery.check(name, url.rstrip("/"))
+        }
+        with self._lock:
             for name, (url, node, namespace) in announced.items():
                 backend = self._by_name.get(name)
-                if backend is not None:  # listed by hand, or known: learn its KV identity
+                if backend is not None and (backend.static or name in admitted):
+                    # listed by hand, or known: learn its KV identity (and a moved URL)
                     backend.namespace, backend.node = namespace, node or backend.node
-                elif url and self.config.discover:
+                    if not backend.static and backend.url != url.rstrip("/"):
+                        log.info("router: instance %s moved to %s", name, url)
+                        backend.url = url.rstrip("/")
+                elif name in admitted:
                     self._by_name[name] = Backend(name, url.rstrip("/"), node, namespace)
                     log.info("router: instance %s at %s joined", name, url)
             for name in [n for n, b in self._by_name.items() if not b.static]:
-                if name not in announced:
+                if name not in admitted:
                     del self._by_name[name]
                     log.info("router: instance %s left", name)
 

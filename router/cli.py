@@ -15,6 +15,13 @@ router_app = typer.Typer(no_args_is_help=True, help="The cache-, tier- and load-
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML config file (or KVTIER_CONFIG)")
 ]
+DiscoverAllowOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="where announced instances may be: HOST[:PORT], CIDR[:PORT], *.domain "
+        "(repeatable; router.discover_allow, docs/router.md)"
+    ),
+]
 
 
 @router_app.command("serve")
@@ -27,6 +34,7 @@ def router_serve(
         list[str] | None, typer.Option(help="an instance's base URL (repeatable)")
     ] = None,
     index: Annotated[str | None, typer.Option(help="index host:port (instances, holdings)")] = None,
+    discover_allow: DiscoverAllowOpt = None,
     model: Annotated[
         str | None, typer.Option(help="tokenizer directory of the served model")
     ] = None,
@@ -43,6 +51,7 @@ def router_serve(
             "router.policy": policy,
             "router.backends": [{"url": u} for u in backend] if backend else None,
             "index.address": index,
+            "router.discover_allow": discover_allow,
             "router.model": model,
             "router.decision_log": decision_log,
         },
@@ -64,6 +73,7 @@ def router_epp(
         list[str] | None, typer.Option(help="an instance's base URL, http://<pod IP>:<port>")
     ] = None,
     index: Annotated[str | None, typer.Option(help="index host:port (instances, holdings)")] = None,
+    discover_allow: DiscoverAllowOpt = None,
     model: Annotated[
         str | None, typer.Option(help="tokenizer directory of the served model")
     ] = None,
@@ -86,6 +96,7 @@ def router_epp(
             "router.policy": policy,
             "router.backends": [{"url": u} for u in backend] if backend else None,
             "index.address": index,
+            "router.discover_allow": discover_allow,
             "router.model": model,
             "router.epp_body_mode": body_mode,
             "router.decision_log": decision_log,

@@ -12,6 +12,9 @@ few seconds), not written to the index: the index takes writes only from a sourc
 stream with a cursor. Router replicas therefore learn each other's bursts from the engines'
 events (milliseconds to a second later), not at once.
 
+The index is asked through an ``IndexGate`` (``index_gate.py``): with a deadline
+(``router.index_timeout_ms``), past which the decision is made by load alone.
+
 Threading: ``route`` may run on several threads; the speculative table has a lock, policies
 are called under one (``sticky`` keeps a session table).
 """
@@ -23,7 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -32,6 +35,7 @@ from kvtier.chunks import Tier
 from kvtier.index.api import ChunkIndex, LocationKind, Query, QueryResult
 from kvtier.keys import Namespace, prompt_keys
 from kvtier.router.backends import Backend, Backends, NoBackend
+from kvtier.router.index_gate import IndexGate
 from kvtier.router.policies import Candidate, Coverage, Decision, Policy, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -103,10 +107,15 @@ class RoutingCore:
         index: ChunkIndex | None = None,
         speculative_s: float = 3.0,
         decision_log: Path | None = None,
+        index_timeout_s: float | None = None,
+        on_index_degraded: Callable[[str], None] | None = None,
     ) -> None:
+        """``index_timeout_s``: deadline of each index call on the hot path (None: none, the
+        index client's own timeout); ``on_index_degraded(reason)``: one missed it."""
         self.backends = backends
         self.policy = policy
         self.index = index
+        self.gate = IndexGate(index_timeout_s, on_index_degraded)
         self.speculative = Speculative(speculative_s)
         self._policy_lock = threading.Lock()
         self._namespaces: dict[bytes, Namespace] = {}
@@ -172,11 +181,8 @@ class RoutingCore:
             Query(ns, keys=keys_of[ns]) if ns in keys_of else Query(ns, tokens=token_ids)
             for ns in namespaces
         ]
-        try:
-            results = self.index.query(queries)
-        except Exception as exc:  # an index outage makes routing load-only, never an error
-            log.debug("router: index query failed: %s", exc)
-            results = []
+        # None (past the deadline, failed): routing by load only, never an error
+        results = self.gate.call("query", self.index.query, queries) or []
         by_ns = {r.ns_id: r for r in results}
         for b in backends:
             if b.namespace is None:
@@ -202,13 +208,19 @@ class RoutingCore:
         now = time.monotonic()
         if namespace is None and self.index is not None and now >= self._list_after:
             self._list_after = now + NAMESPACE_RETRY_S
-            try:
-                known = self.index.namespaces()
-            except Exception:
-                return None
-            self._namespaces.update({k: v for k, v in known.items() if v is not None})
+            known = self.gate.call("namespaces", self.index.namespaces, on_late=self._learn)
+            if known is None:
+                return None  # queried by token ids meanwhile; a late answer is kept
+            self._learn(known)
             namespace = self._namespaces.get(ns_id)
         return namespace
+
+    def _learn(self, known: dict[bytes, Namespace | None]) -> None:
+        self._namespaces.update({k: v for k, v in known.items() if v is not None})
+
+    def index_state(self) -> dict[str, Any]:
+        """For ``/readyz``: ``index`` none (not configured), ok or degraded (and why)."""
+        return self.gate.state() if self.index is not None else {"index": "none"}
 
     def _chunk_tokens(self, ns_id: bytes) -> int:
         namespace = self._namespace(ns_id)
@@ -245,6 +257,7 @@ class RoutingCore:
             self._log.flush()
 
     def close(self) -> None:
+        self.gate.close()
         if self._log is not None:
             self._log.close()
 

@@ -65,8 +65,9 @@ from kvtier.config_auth import TlsConfig
 from kvtier.config_router import RouterConfig
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.index.api import ChunkIndex
-from kvtier.router.backends import Backends, NoBackend
+from kvtier.router.backends import NoBackend
 from kvtier.router.core import Routed, RoutingCore
+from kvtier.router.discovery import is_anonymous
 from kvtier.router.epp_wire import (
     _NOT_SERVING,
     _SERVING,
@@ -89,7 +90,8 @@ from kvtier.router.epp_wire import (
 )
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.proxy import Proxy
-from kvtier.router.service import Loops, make_router_policy
+from kvtier.router.requests import parse_body
+from kvtier.router.service import Loops, make_core
 from kvtier.router.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -286,9 +288,12 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         if api is None and "json" not in ex.headers.get("content-type", ""):
             return None, None, session  # not an API we tokenize: route by load
         try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
+            if api is None:
+                body = json.loads(raw)
+                if not isinstance(body, dict):
+                    raise ValueError("the body must be a JSON object")
+            else:  # the proxy's checks (requests.py): 400 for what it would refuse
+                body = parse_body(raw, api)
             user = body.get("user")
             session = session or (user if isinstance(user, str) and user else None)
             if api is None:
@@ -385,21 +390,18 @@ class Epp:
         index: ChunkIndex | None,
         probes: bool = True,
         authenticator: Authenticator | None = None,
+        anonymous: bool | None = None,
     ) -> None:
-        """``probes`` False: no background loops (refresh, scrape, probe), for tests."""
+        """``probes`` False: no background loops (refresh, scrape, probe), for tests;
+        ``anonymous``: as ``router.service.build`` takes it."""
         self.config = config
         self.probes = probes
-        self.backends = Backends(config, index)
-        self.backends.refresh()
         self.metrics = RouterMetrics()
+        if anonymous is None:
+            anonymous = authenticator is None or not authenticator.enabled
+        self.core = make_core(config, index, self.metrics, anonymous)
+        self.backends = self.core.backends
         tokenizer = PromptTokenizer(config.model) if config.model else None
-        self.core = RoutingCore(
-            self.backends,
-            make_router_policy(config),
-            index,
-            config.speculative_s,
-            config.decision_log,
-        )
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         timeout = httpx.Timeout(
             connect=config.connect_timeout_s, read=config.probe_timeout_s, write=60, pool=None
@@ -538,7 +540,9 @@ def serve(config: KvtierConfig) -> None:
     check_exposure("kvtier router epp", [rc.epp_host], config.auth)
     auth = ClientAuth.from_config(config.auth)
     index = connect_index(config.index, auth) if config.index.address else None
-    epp = Epp(rc, index, authenticator=Authenticator(config.auth))
+    epp = Epp(
+        rc, index, authenticator=Authenticator(config.auth), anonymous=is_anonymous(config.auth)
+    )
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -63,3 +63,17 @@ class RouterMetrics:
         self.backends = Gauge(
             "kvtier_router_backends", "instances known, by state", ["state"], registry=r
         )
+        self.index_degraded = Counter(
+            "kvtier_router_index_degraded",
+            "decisions made without the index (routed by load): it missed "
+            "router.index_timeout_ms (timeout), earlier calls still hold every slot (busy), "
+            "or it failed (error)",
+            ["reason"],
+            registry=r,
+        )
+        self.discovery_refused = Counter(
+            "kvtier_router_discovery_refused",
+            "instances announced to the index at a URL router.discover_allow does not admit "
+            "(once per location and URL)",
+            registry=r,
+        )

@@ -1,9 +1,10 @@
 """The OpenAI-compatible front door: ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``, plus ``/healthz``, ``/readyz``, ``/metrics``.
 
-A request is parsed once (400 on a bad body), tokenized once (``tokenize.py``), routed
-(``core.py``) and forwarded with its body untouched, except that a completion's text prompt
-is replaced by its token ids when the router tokenized it. Streams are relayed byte for byte.
+A request is parsed and checked once (``requests.py``: 400 on a bad body, large ones off the
+event loop), tokenized once (``tokenize.py``), routed (``core.py``) and forwarded with its
+body untouched, except that a completion's text prompt is replaced by its token ids when the
+router tokenized it. Streams are relayed byte for byte.
 
 Failure rules (docs/router.md):
 - before the first byte, a connection error, a timeout or a 5xx ejects the instance and the
@@ -11,17 +12,20 @@ Failure rules (docs/router.md):
 - after the first byte nothing is retried (sampling is not deterministic): a stream that
   breaks ends with an SSE ``error`` event;
 - no instance healthy: 503, all at ``max_in_flight``: 429, both with ``Retry-After``;
-- the client going away cancels the upstream request (its generation stops).
+- the client going away cancels the upstream request (its generation stops): while the
+  router waits for the instance's answer (a non-streamed one comes whole, at the end), the
+  connection is watched for the client's disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request, Response
@@ -35,9 +39,18 @@ from kvtier.errors import KvtierError
 from kvtier.router.backends import Backend, NoBackend
 from kvtier.router.core import Routed, RoutingCore
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.requests import (
+    CHAT_PATH,
+    INLINE_BYTES,
+    PARSE_SLOTS,
+    BadRequest,
+    check_token_ids,
+    parse_body,
+)
 from kvtier.router.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PASS_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 INSTANCE_HEADER = "x-kvtier-instance"  # which instance answered (debugging, the demo)
@@ -47,6 +60,13 @@ def error(status: int, message: str, kind: str, retry_after: float | None = None
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
     body = {"error": {"message": message, "type": kind, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_body(status: int, message: str) -> bytes:
+    """The OpenAI error shape, for answers the HTTP layer gives (413, 408: ``BodyLimit``)."""
+    return json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "code": status}}
+    ).encode()
 
 
 class Proxy:
@@ -68,16 +88,15 @@ class Proxy:
         self.metrics = metrics
         self.client = client
         self.tokenizer = tokenizer
+        self._parsing = asyncio.Semaphore(PARSE_SLOTS)  # large bodies parsed at once
 
     # -- tokens ------------------------------------------------------------------------------
 
     async def prompt_ids(
         self, path: str, body: dict[str, Any], session: str | None
     ) -> tuple[list[int] | None, dict[str, Any]]:
-        """(token ids to route by, body to forward). Raises ValueError on a bad prompt."""
-        if path == "/v1/chat/completions":
-            if not isinstance(body.get("messages"), list) or not body["messages"]:
-                raise ValueError("messages: a non-empty list is required")
+        """(token ids to route by, body to forward) of a body ``parse_body`` checked."""
+        if path == CHAT_PATH:
             if self.tokenizer is not None:
                 ids = await asyncio.to_thread(self.tokenizer.chat_ids, body, session)
                 return ids, body
@@ -88,16 +107,16 @@ class Proxy:
                 ids = await asyncio.to_thread(self.tokenizer.completion_ids, prompt)
                 return ids, {**body, "prompt": ids}  # vLLM need not tokenize again
             return await self._remote_ids({"prompt": prompt}, body), body
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt), body
-        if isinstance(prompt, list) and prompt:  # a batch: route by its first prompt
+        if isinstance(prompt, list) and prompt:
             first = prompt[0]
-            if isinstance(first, list):
-                return list(first), body
+            if isinstance(first, int):  # token ids (checked by parse_body)
+                return prompt, body
+            if isinstance(first, list):  # a batch: route by its first prompt
+                return first, body
             if isinstance(first, str) and self.tokenizer is not None:
                 return await asyncio.to_thread(self.tokenizer.completion_ids, first), body
             return None, body
-        raise ValueError("prompt: a string, a list of token ids, or a list of those is required")
+        raise BadRequest("prompt: a string, a list of token ids, or a list of those is required")
 
     async def _remote_ids(self, payload: dict[str, Any], body: dict[str, Any]) -> list[int] | None:
         """No local tokenizer: ask an instance's ``/tokenize`` (None if none answers)."""
@@ -109,8 +128,8 @@ class Proxy:
                 timeout=self.config.connect_timeout_s + 5,
             )
             resp.raise_for_status()
-            return list(resp.json()["tokens"])
-        except (NoBackend, httpx.HTTPError, KeyError, ValueError) as exc:
+            return check_token_ids(resp.json()["tokens"], "/tokenize")
+        except (NoBackend, httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
             log.debug("router: /tokenize failed: %s", exc)
             return None
 
@@ -133,15 +152,14 @@ class Proxy:
         if denied is not None:
             return denied
         raw = await request.body()
-        if len(raw) > self.config.max_body_bytes:
+        if len(raw) > self.config.max_body_bytes:  # (BodyLimit refuses it first, when served)
+            self.metrics.rejected.labels("413").inc()
             return error(413, f"body over {self.config.max_body_bytes} bytes", "invalid_request")
         try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
+            body = await self._parse(raw, path)
             session = request.headers.get(self.config.session_header) or body.get("user")
             ids, forward = await self.prompt_ids(path, body, session)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError) as exc:  # BadRequest is a ValueError
             self.metrics.rejected.labels("400").inc()
             return error(400, f"bad request: {exc}", "invalid_request_error")
         except Exception as exc:  # a template the tokenizer cannot render, ...
@@ -151,7 +169,12 @@ class Proxy:
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS}
         if self.authenticator is not None and self.authenticator.enabled:
             headers.pop("authorization", None)  # ours, not the instance's
-        content = json.dumps(forward).encode() if forward is not body else raw
+        if forward is body:
+            content = raw
+        elif prompt_tokens * 8 > INLINE_BYTES:  # as large to encode as to parse
+            content = await asyncio.to_thread(_encode, forward)
+        else:
+            content = _encode(forward)
         stream = bool(body.get("stream"))
         start = time.perf_counter()
         tried: set[str] = set()
@@ -171,13 +194,17 @@ class Proxy:
             self._count_decision(routed, attempt)
             backend = routed.backend
             self.backends.dispatched(backend, prompt_tokens)
+            outgoing = self.client.build_request(
+                "POST", f"{backend.url}{path}", content=content, headers=headers
+            )
             try:
-                upstream = await self.client.send(
-                    self.client.build_request(
-                        "POST", f"{backend.url}{path}", content=content, headers=headers
-                    ),
-                    stream=True,
-                )
+                # a non-streamed answer's headers come with its end: until then, the client
+                # leaving must cancel the request (closing the upstream connection)
+                upstream = await _unless_gone(request, self.client.send(outgoing, stream=True))
+            except ClientGone:
+                self.backends.finished(backend, prompt_tokens, got_first_token=False)
+                self.core.log_decision(routed, {"outcome": "client went away"})
+                return Response(status_code=499)
             except httpx.HTTPError as exc:
                 self._failed(backend, routed, prompt_tokens, type(exc).__name__, tried)
                 last = error(502, f"instance {backend.name} failed: {exc!r}", "upstream_error")
@@ -198,6 +225,13 @@ class Proxy:
             return await self._whole(request, upstream, backend, routed, start)
         assert last is not None
         return last
+
+    async def _parse(self, raw: bytes, path: str) -> dict[str, Any]:
+        """``parse_body``, on a worker thread for a large body (``requests.py`` says why)."""
+        if len(raw) <= INLINE_BYTES:
+            return parse_body(raw, path)
+        async with self._parsing:
+            return await asyncio.to_thread(parse_body, raw, path)
 
     def _count_decision(self, routed: Routed, attempt: int) -> None:
         self.metrics.decision.observe(routed.seconds)
@@ -260,17 +294,11 @@ class Proxy:
         start: float,
     ) -> Response:
         """A non-streamed answer; the client leaving cancels it."""
-        read = asyncio.ensure_future(upstream.aread())
         try:
-            while True:
-                done, _ = await asyncio.wait({read}, timeout=0.25)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    read.cancel()
-                    self.core.log_decision(routed, {"outcome": "client went away"})
-                    return Response(status_code=499)
-            content = read.result()
+            content = await _unless_gone(request, upstream.aread())
+        except ClientGone:
+            self.core.log_decision(routed, {"outcome": "client went away"})
+            return Response(status_code=499)
         except httpx.HTTPError as exc:
             self.backends.eject(backend, "read failed")
             return error(502, f"instance {backend.name} failed: {exc!r}", "upstream_error")
@@ -311,6 +339,41 @@ class Proxy:
         return Response(resp.content, resp.status_code, media_type="application/json")
 
 
+class ClientGone(Exception):
+    """The client disconnected while the router waited on its behalf."""
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result; if the client disconnects first, ``work`` is cancelled (an httpx
+    request closes its connection: the instance sees the disconnect) and ``ClientGone``
+    raised. The body has been read whole by now, so the next ASGI message is the
+    disconnect."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we are cancelled ourselves (shutdown): so is the work
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0)  # (a late empty body chunk)
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
 def build_app(proxy: Proxy) -> FastAPI:
     app = FastAPI(title="kvtier router", version=__version__)
 
@@ -332,11 +395,15 @@ def build_app(proxy: Proxy) -> FastAPI:
 
     @app.get("/readyz")
     def readyz() -> Response:
+        # A degraded index leaves the router ready: it still routes (by load). 503 would take
+        # every replica out of its load balancer at once for an index fault: an outage.
+        index = proxy.core.index_state()
         try:
             n = len(proxy.backends.routable())
         except NoBackend as exc:
-            return JSONResponse({"status": "not ready", "reason": str(exc)}, status_code=503)
-        return JSONResponse({"status": "ready", "backends": n})
+            body = {"status": "not ready", "reason": str(exc), **index}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ready", "backends": n, **index})
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -5,6 +5,10 @@ Loops (on the proxy's event loop):
 - scrape: each instance's ``/metrics`` every ``scrape_s`` (running, waiting, KV usage);
 - probe: a real 1-token completion per instance every ``probe_s`` — a port that answers says
   nothing about a deadlocked engine. A failed probe ejects; a passing one re-admits.
+
+Served by uvicorn with kvtier's HTTP limits (``kvtier.http.server_config``: header and body
+deadlines, body size, connection cap) and ``auth.tls`` (TLS; client certificates with
+``ca_file``), as the store's and the index's HTTP servers are.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.auth import Authenticator
 from kvtier.config import KvtierConfig
 from kvtier.config_router import RouterConfig
-from kvtier.http import BodyLimit
+from kvtier.http import server_config
 from kvtier.index.api import ChunkIndex
 from kvtier.router.backends import Backend, Backends
 from kvtier.router.core import RoutingCore
+from kvtier.router.discovery import DiscoveryPolicy, is_anonymous
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policies import Policy, TierCosts, make_policy
-from kvtier.router.proxy import Proxy, build_app
+from kvtier.router.proxy import Proxy, build_app, error_body
 from kvtier.router.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -131,21 +136,44 @@ class Loops:
 VLLM_LOAD = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
 
 
+def make_core(
+    config: RouterConfig, index: ChunkIndex | None, metrics: RouterMetrics, anonymous: bool
+) -> RoutingCore:
+    """Instances (as ``router.discover_allow`` admits them), the policy and the index with
+    its deadline: what the proxy and the endpoint picker share."""
+    discovery = DiscoveryPolicy.from_config(config, anonymous, metrics.discovery_refused.inc)
+    if index is not None:
+        discovery.warn_if_closed(config)
+    backends = Backends(config, index, discovery)
+    backends.refresh()
+    return RoutingCore(
+        backends,
+        make_router_policy(config),
+        index,
+        config.speculative_s,
+        config.decision_log,
+        index_timeout_s=config.index_timeout_ms / 1e3,
+        on_index_degraded=lambda reason: metrics.index_degraded.labels(reason).inc(),
+    )
+
+
 def build(
     config: RouterConfig,
     index: ChunkIndex | None,
     probes: bool = True,
     authenticator: Authenticator | None = None,
+    anonymous: bool | None = None,
 ) -> tuple[FastAPI, Proxy]:
     """The router's app and proxy (``probes`` False: no background loops, for tests;
-    ``authenticator``: who may send requests, when credentials are configured)."""
-    backends = Backends(config, index)
-    backends.refresh()
+    ``authenticator``: who may send requests, when credentials are configured;
+    ``anonymous``: no credentials anywhere, so announced loopback instances are admitted
+    without ``router.discover_allow`` — by default, when ``authenticator`` checks nothing)."""
+    if anonymous is None:
+        anonymous = authenticator is None or not authenticator.enabled
     metrics = RouterMetrics()
+    core = make_core(config, index, metrics, anonymous)
+    backends = core.backends
     tokenizer = PromptTokenizer(config.model) if config.model else None
-    core = RoutingCore(
-        backends, make_router_policy(config), index, config.speculative_s, config.decision_log
-    )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(
         connect=config.connect_timeout_s, read=config.first_byte_timeout_s, write=60, pool=None
@@ -183,10 +211,22 @@ def serve(config: KvtierConfig) -> None:
     check_exposure("kvtier router", [rc.host], config.auth)
     auth = ClientAuth.from_config(config.auth)
     index = connect_index(config.index, auth) if config.index.address else None
-    app, _ = build(rc, index, authenticator=Authenticator(config.auth))
-    limited = BodyLimit(app, rc.max_body_bytes)  # refused before it is read
+    app, _ = build(
+        rc, index, authenticator=Authenticator(config.auth), anonymous=is_anonymous(config.auth)
+    )
+    tls = config.auth.tls
     server = uvicorn.Server(
-        uvicorn.Config(limited, host=rc.host, port=rc.port, log_level="warning")
+        server_config(
+            app,
+            rc.host,
+            rc.port,
+            tls,
+            rc.max_body_bytes,  # refused before it is read
+            header_timeout_s=rc.header_timeout_s,
+            body_timeout_s=rc.body_timeout_s,
+            max_connections=rc.max_connections,
+            error_body=error_body,
+        )
     )
 
     async def main() -> None:
@@ -198,6 +238,7 @@ def serve(config: KvtierConfig) -> None:
             ready: dict[str, Any] = {
                 "event": "ready",
                 "http": f"{rc.host}:{port}",
+                "tls": tls.cert_file is not None,
                 "policy": rc.policy,
             }
             print(json.dumps(ready), flush=True)

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvtier.http import HttpServer
+from kvtier.http import BODY_LIMIT, HttpServer
 
 STREAM_CHUNKS = [
     b'data: {"choices": [{"text": "a"}]}\n\n',
@@ -95,10 +95,11 @@ def stub_app(name: str, state: StubState) -> FastAPI:
 
 
 class StubBackend:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, body_limit: int = BODY_LIMIT) -> None:
+        """``body_limit``: the largest request body it takes (vLLM's is far larger)."""
         self.name = name
         self.state = StubState()
-        self._server = HttpServer(stub_app(name, self.state), "127.0.0.1", 0)
+        self._server = HttpServer(stub_app(name, self.state), "127.0.0.1", 0, body_limit=body_limit)
         self.port = self._server.start()
         self.url = f"http://127.0.0.1:{self.port}"
 
