@@ -1,7 +1,14 @@
 """The HTTP side of every kvtier service (health, readiness, metrics, stats, and the services'
 own JSON endpoints): uvicorn in a background thread, stoppable, plus what every app shares:
-bearer-token checks (``HttpGuard``), a request-body limit and deadline (``BodyLimit``), and
-limits on connections (``server_config``).
+credential checks (``HttpGuard``: a bearer token, or the client certificate the TLS handshake
+verified), a request-body limit and deadline (``BodyLimit``), and limits on connections
+(``server_config``).
+
+Client certificates: uvicorn does not hand the peer's certificate to the app, so the HTTP
+protocol (``_HeaderGuard``, below) reads it once per connection, after the handshake, and
+wraps that connection's app so that each of its requests carries the certificate's identities
+in its ASGI scope (``peer_identities``). They are the ones gRPC maps (common name, DNS and URI
+subject alternative names) and go to ``Authenticator.principal`` the same way.
 
 What a client can hold, and for how long (slowloris: a client that opens connections and
 sends each request slowly, or never finishes it, until the server has no file descriptors):
@@ -25,10 +32,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import uvicorn
-from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from kvtier.auth import Authenticator, Permission, Principal, bearer
+from kvtier.auth import Authenticator, Permission, Principal, bearer, peer_certificate_identities
 from kvtier.config_auth import TlsConfig
 from kvtier.errors import ErrorCode, KvtierError
 
@@ -45,21 +52,35 @@ BODY_TIMEOUT_S = 60.0  # a request's body, once the app reads it
 MAX_CONNECTIONS = 1024  # client connections at once
 MAX_HEADER_BYTES = 64 << 10  # a request's header (uvicorn's h11 default is 16 KiB)
 
+# the ASGI scope key of the verified client certificate's identities (set by the server
+# only: nothing a client sends can put a key in the scope)
+PEER_IDENTITIES = "kvtier.peer_identities"
+
 log = logging.getLogger(__name__)
 _DISCONNECT: Message = {"type": "http.disconnect"}
 
 
+def peer_identities(scope: Scope) -> tuple[str, ...]:
+    """The identities (common name, DNS and URI subject alternative names) of the client
+    certificate the TLS handshake of this request's connection verified; empty without one
+    (plaintext, TLS without ``auth.tls.ca_file``, or a server not built by ``server_config``)."""
+    return tuple(scope.get(PEER_IDENTITIES, ()))
+
+
 class HttpGuard:
     """FastAPI dependencies that admit a caller holding ``permission`` (401 without a known
-    token, 403 with one that does not allow the call)."""
+    token or, without a token, a verified certificate a credential names; 403 with one that
+    does not allow the call)."""
 
     def __init__(self, authenticator: Authenticator) -> None:
         self.authenticator = authenticator
 
     def require(self, permission: Permission) -> Any:
-        def check(authorization: str | None = Header(None)) -> Principal:
+        def check(request: Request, authorization: str | None = Header(None)) -> Principal:
             try:
-                principal = self.authenticator.principal(bearer(authorization))
+                principal = self.authenticator.principal(
+                    bearer(authorization), certificate=peer_identities(request.scope)
+                )
                 principal.require(permission, f"read {permission}")
             except KvtierError as exc:
                 unauthenticated = exc.code is ErrorCode.UNAUTHENTICATED
@@ -168,10 +189,39 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+class _WithPeer:
+    """One connection's app: puts the identities of its verified client certificate in the
+    scope of each of its requests (``peer_identities``), then calls the server's app."""
+
+    def __init__(self, app: ASGIApp, identities: tuple[str, ...]) -> None:
+        self.app = app
+        self.identities = identities
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[PEER_IDENTITIES] = self.identities
+        await self.app(scope, receive, send)
+
+
+def _verified_identities(transport: asyncio.BaseTransport) -> tuple[str, ...]:
+    """The identities of the certificate this connection's TLS handshake verified (asyncio
+    and uvloop call ``connection_made`` once the handshake is done). ``getpeercert()`` is an
+    empty dict or None unless a certificate was presented *and* verified against the
+    server's CA (``server_config`` sets ``CERT_REQUIRED`` with ``auth.tls.ca_file``)."""
+    ssl_object = transport.get_extra_info("ssl_object")
+    if ssl_object is None:
+        return ()
+    try:
+        peercert = ssl_object.getpeercert()
+    except ValueError:  # no handshake (cannot happen after connection_made): no identity
+        return ()
+    return tuple(peer_certificate_identities(peercert))
+
+
 class _HeaderGuard:
     """Mixed into uvicorn's HTTP protocol (httptools or h11, whichever uvicorn would pick):
-    a header timer per request, a header size cap, and the connection cap. Its settings are
-    class attributes (``guarded_protocol`` makes a subclass per server)."""
+    a header timer per request, a header size cap, the connection cap, and the verified
+    client certificate's identities in each request's scope. Its settings are class
+    attributes (``guarded_protocol`` makes a subclass per server)."""
 
     header_timeout_s: float = HEADER_TIMEOUT_S
     max_header_bytes: int = MAX_HEADER_BYTES
@@ -181,6 +231,7 @@ class _HeaderGuard:
     loop: asyncio.AbstractEventLoop
     connections: set[Any]
     cycle: Any
+    app: ASGIApp
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._header_timer: asyncio.TimerHandle | None = None
@@ -191,6 +242,12 @@ class _HeaderGuard:
             _rate_limited_warning("HTTP: at %d connections, refusing more", self.max_connections)
             self._answer_and_close(503, "Service Unavailable", b"retry-after: 1\r\n")
             return
+        # uvicorn's protocols (httptools, h11) build each request's scope themselves, but
+        # read ``self.app`` (set per protocol instance, i.e. per connection) for every
+        # request: wrapping it here puts this connection's certificate in all its scopes
+        identities = _verified_identities(transport)
+        if identities:
+            self.app = _WithPeer(self.app, identities)
         self._await_header()
 
     def _await_header(self) -> None:

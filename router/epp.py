@@ -25,7 +25,8 @@ The protocol (the extension's proposal 004-endpoint-picker-protocol, docs/router
   ``max_in_flight``); a body that is not JSON, or a prompt the proxy would refuse: 400; over
   ``max_body_bytes``: 413; with credentials configured, a request without a token allowed to
   route: 401/403 (the token is checked from the request's ``Authorization`` header, as the
-  proxy does, and removed before the request goes upstream);
+  proxy does, and removed before the request goes upstream; a request without one is judged
+  by the stream's verified client certificate, the gateway's, as any gRPC caller is);
 - ``envoy.lb/x-gateway-destination-endpoint-served`` in a response's metadata: the gateway
   fell back to another endpoint; the load accounting moves there. A 5xx response status
   ejects the instance that answered it, as in the proxy.
@@ -93,6 +94,7 @@ from kvtier.router.proxy import Proxy
 from kvtier.router.requests import parse_body
 from kvtier.router.service import Loops, make_core
 from kvtier.router.tokenize import PromptTokenizer
+from kvtier.rpc import certificate_identities
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[pb.ProcessingResponse]:
         duplex = self.config.epp_body_mode == "full-duplex"
         ex = _Exchange(duplex_request=duplex, duplex_response=duplex)
+        ex.certificate = tuple(certificate_identities(context))  # the gateway's, if mTLS
         try:
             async for request in request_iterator:
                 if request.HasField("protocol_config"):
@@ -172,7 +175,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
     async def _request_headers(self, ex: _Exchange, msg: Any) -> list[Any]:
         ex.headers = {h.key.lower(): _header_value(h) for h in msg.headers.headers}
-        self._authorize(ex.headers)
+        self._authorize(ex.headers, ex.certificate)
         if msg.end_of_stream or not ex.body_expected:  # no body to route by (a GET, ...)
             return await self._pick(ex, None)
         if ex.duplex_request:
@@ -332,11 +335,16 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
     # -- credentials, accounting --------------------------------------------------------------
 
-    def _authorize(self, headers: dict[str, str]) -> None:
+    def _authorize(self, headers: dict[str, str], certificate: tuple[str, ...]) -> None:
+        """``certificate``: the identities of the stream's verified client certificate, i.e.
+        the gateway's (the EPP never sees the end client's TLS): without a token in the
+        request, the gateway's credential decides, as for any gRPC caller."""
         if self.authenticator is None or not self.authenticator.enabled:
             return
         try:
-            principal = self.authenticator.principal(bearer(headers.get("authorization")))
+            principal = self.authenticator.principal(
+                bearer(headers.get("authorization")), certificate=certificate
+            )
             principal.require(Permission.ROUTE, "send requests through the router")
         except KvtierError as exc:
             status = 401 if exc.code is ErrorCode.UNAUTHENTICATED else 403

@@ -161,6 +161,7 @@ class _Exchange:
     duplex_response: bool
     body_expected: bool = True  # False: request_body_mode NONE, pick on the headers
     headers: dict[str, str] = field(default_factory=dict)
+    certificate: tuple[str, ...] = ()  # the gateway's verified certificate's identities
     subset: set[str] | None = None
     body: bytearray = field(default_factory=bytearray)
     routed: Routed | None = None

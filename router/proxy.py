@@ -36,6 +36,7 @@ from kvtier import __version__
 from kvtier.auth import Authenticator, Permission, bearer
 from kvtier.config_router import RouterConfig
 from kvtier.errors import KvtierError
+from kvtier.http import peer_identities
 from kvtier.router.backends import Backend, NoBackend
 from kvtier.router.core import Routed, RoutingCore
 from kvtier.router.metrics import RouterMetrics
@@ -139,7 +140,10 @@ class Proxy:
         if self.authenticator is None or not self.authenticator.enabled:
             return None
         try:
-            principal = self.authenticator.principal(bearer(request.headers.get("authorization")))
+            principal = self.authenticator.principal(
+                bearer(request.headers.get("authorization")),
+                certificate=peer_identities(request.scope),  # none unless mTLS verified one
+            )
             principal.require(Permission.ROUTE, "send requests through the router")
         except KvtierError as exc:
             status = 401 if exc.code.value == "UNAUTHENTICATED" else 403
