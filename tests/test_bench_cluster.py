@@ -240,7 +240,13 @@ def test_quick_run_answers_everything_with_the_tiers_where_expected(tmp_path: Pa
         ),
         timeout_s=120,
     )
-    report = cluster.run(settings, list(cluster.QUICK_CONFIGS), say=lambda _: None, progress=False)
+    # vLLM alone and kvtier + kvtier: what differs between configurations (connector, stores,
+    # the kvtier policy) is all here; `--quick`'s third (vLLM + lmetric) is one more vLLM-only
+    # run through the same code (its policy is tested in tests/test_router_policies.py), and
+    # 70 s of the suite's 30-minute budget
+    configs = ["vllm-rr", "kvtier-kvtier"]
+    assert set(configs) <= set(cluster.QUICK_CONFIGS)
+    report = cluster.run(settings, configs, say=lambda _: None, progress=False)
     assert report["failed"] == {}
     sent = report["trace"]["requests"]
     assert sent >= 30

@@ -46,11 +46,12 @@ def cluster(run_dir: Path):
     try:
         yield a, b, index
     finally:
-        index.stop()
-        for store in (a, b):
+        for store in stores:  # thaw both first: a store leaving ends its calls to the other
             if store.proc.poll() is None:
                 store.proc.send_signal(signal.SIGCONT)
+        for store in stores:  # before the index: a store leaving unregisters itself there
             store.stop()
+        index.stop()
 
 
 def run(

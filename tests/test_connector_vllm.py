@@ -5,6 +5,7 @@ Failure paths are drilled in test_fault_drills.py."""
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from helpers import StoreProcess, start_store_process
 from vllm_fixtures import make_tiny_llama, vllm_env
 
 from kvtier.bench.vllm_driver import kvtier_transfer_config, run_vllm
+from kvtier.connector.config import parse_extra_config
 
 pytestmark = pytest.mark.vllm
 
@@ -162,18 +164,26 @@ def test_async_loads_are_exact(tiny_model: str, run_dir: Path) -> None:
     assert metrics["vllm:kvtier_load_error_blocks"] == 0
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        ({"no_such_key": 1}, "no_such_key"),
-        ({"tiers": ["cpu", "remote"]}, "index_address"),
-        ({"chunk_tokens": 48}, "multiple of vLLM's block_size"),
-        ({"store_address": "127.0.0.1:1", "embedded_capacity": "1GiB"}, "one or the other"),
-    ],
-)
+BAD_CONFIGS = [
+    ({"no_such_key": 1}, "no_such_key"),
+    ({"tiers": ["cpu", "remote"]}, "index_address"),
+    ({"chunk_tokens": 48}, "multiple of vLLM's block_size"),
+    ({"store_address": "127.0.0.1:1", "embedded_capacity": "1GiB"}, "one or the other"),
+]
+
+
+# Through a real engine: one error of the config model, and one found only against the KV
+# cache vLLM allocated. The others fail in the same model, checked below without a vLLM start.
+@pytest.mark.parametrize(("extra", "message"), [BAD_CONFIGS[0], BAD_CONFIGS[2]])
 def test_bad_connector_config_fails_startup_clearly(
     tiny_model: str, run_dir: Path, extra: dict, message: str
 ) -> None:
     code, stderr = start_failure(tiny_model, run_dir, extra)
     assert code != 0
     assert message in stderr
+
+
+@pytest.mark.parametrize(("extra", "message"), [c for i, c in enumerate(BAD_CONFIGS) if i != 2])
+def test_bad_connector_config_is_refused_by_the_config_model(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_extra_config(extra)
