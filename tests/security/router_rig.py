@@ -4,10 +4,11 @@ slow instance), and reading the router's /metrics and /readyz."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -15,6 +16,9 @@ import httpx
 from security.secure_env import credentials
 
 from kvtier.bench.services import Service, _start
+from kvtier.index.api import LocationKind, Registration
+from kvtier.index.client.grpc import GrpcIndexClient
+from kvtier.keys import Namespace
 
 CLIENT_TOKEN = "client-token-0123456789"  # role client: may send requests through the router
 
@@ -33,6 +37,33 @@ def start_index(env: dict[str, str] | None = None) -> Service:
 
 def start_router(args: list[str], env: dict[str, str] | None = None) -> Service:
     return _start(["router", "serve", "--port", "0", *args], env)
+
+
+@contextlib.contextmanager
+def router_over_announced(api_url: str) -> Iterator[tuple[Service, Service]]:
+    """(index, router): an index where the instance "inst" at ``api_url`` is announced with a
+    namespace (so token ids become chunk keys the router asks about), and a router that
+    discovered it and is ready. Stopped on exit (the index with SIGCONT first)."""
+    index = start_index()
+    router: Service | None = None
+    try:
+        client = GrpcIndexClient(index.address, 5)
+        ns = Namespace(model="m", dtype="bf16", num_layers=1, num_kv_heads=1, head_size=8)
+        ns_id = client.register_namespace(ns)
+        client.register(
+            Registration(
+                "inst", LocationKind.INSTANCE, namespaces=(ns_id,), endpoints={"api": api_url}
+            )
+        )
+        client.close()
+        router = start_router(["--index", index.address])
+        url = router_url(router)
+        wait_for(lambda: httpx.get(f"{url}/readyz").status_code == 200, what="router ready")
+        yield index, router
+    finally:
+        if router is not None:
+            router.stop()
+        index.stop()
 
 
 def router_url(router: Service) -> str:

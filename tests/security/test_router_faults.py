@@ -20,13 +20,10 @@ import pytest
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from routing.stub_backend import StubBackend
-from security.router_rig import metric, router_url, start_index, start_router, wait_for
+from security.router_rig import metric, router_over_announced, router_url, start_router, wait_for
 
 from kvtier.bench.services import Service
 from kvtier.http import HttpServer
-from kvtier.index.api import LocationKind, Registration
-from kvtier.index.client.grpc import GrpcIndexClient
-from kvtier.keys import Namespace
 
 PROMPT = list(range(1, 600))  # two full 256-token chunks: the router asks the index about them
 BODY = {"model": "stub", "prompt": PROMPT, "max_tokens": 1}
@@ -46,28 +43,12 @@ class Fleet:
 @pytest.fixture
 def fleet() -> Iterator[Fleet]:
     """An index, one instance announced to it with its namespace, a router discovering it."""
-    index = start_index()
     stub = StubBackend("inst")
-    router: Service | None = None
     try:
-        client = GrpcIndexClient(index.address, 5)
-        ns = Namespace(model="m", dtype="bf16", num_layers=1, num_kv_heads=1, head_size=8)
-        ns_id = client.register_namespace(ns)
-        client.register(
-            Registration(
-                "inst", LocationKind.INSTANCE, namespaces=(ns_id,), endpoints={"api": stub.url}
-            )
-        )
-        client.close()
-        router = start_router(["--index", index.address])
-        url = router_url(router)
-        wait_for(lambda: httpx.get(f"{url}/readyz").status_code == 200, what="router ready")
-        yield Fleet(index, stub, router)
+        with router_over_announced(stub.url) as (index, router):
+            yield Fleet(index, stub, router)
     finally:
-        if router is not None:
-            router.stop()
         stub.stop()
-        index.stop()  # (SIGCONT first)
 
 
 def timed_post(url: str) -> tuple[int, float]:

@@ -16,13 +16,10 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from routing.stub_backend import StubBackend
-from security.router_rig import metric, router_url, start_index, start_router, wait_for
+from security.router_rig import metric, router_over_announced, router_url, start_router
 
 from kvtier.bench.services import Service
 from kvtier.config_router import RouterConfig
-from kvtier.index.api import LocationKind, Registration
-from kvtier.index.client.grpc import GrpcIndexClient
-from kvtier.keys import Namespace
 
 
 @dataclass
@@ -42,28 +39,12 @@ class Door:
 def door() -> Iterator[Door]:
     """A router with default limits in front of one instance announced with its namespace
     (so token ids become chunk keys: where a bad id used to fail with a 500)."""
-    index = start_index()
     stub = StubBackend("inst", body_limit=64 << 20)  # takes whatever the router forwards
-    router: Service | None = None
     try:
-        client = GrpcIndexClient(index.address, 5)
-        ns = Namespace(model="m", dtype="bf16", num_layers=1, num_kv_heads=1, head_size=8)
-        ns_id = client.register_namespace(ns)
-        client.register(
-            Registration(
-                "inst", LocationKind.INSTANCE, namespaces=(ns_id,), endpoints={"api": stub.url}
-            )
-        )
-        client.close()
-        router = start_router(["--index", index.address])
-        url = router_url(router)
-        wait_for(lambda: httpx.get(f"{url}/readyz").status_code == 200, what="router ready")
-        yield Door(router, stub)
+        with router_over_announced(stub.url) as (_, router):
+            yield Door(router, stub)
     finally:
-        if router is not None:
-            router.stop()
         stub.stop()
-        index.stop()
 
 
 HOSTILE = {
