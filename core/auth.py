@@ -28,6 +28,7 @@ from typing import Any
 
 from kvtier.config_auth import AuthConfig, Role
 from kvtier.errors import ErrorCode, KvtierError
+from kvtier.keys import salt_digest
 
 
 class Permission(enum.StrEnum):
@@ -103,6 +104,12 @@ def prove(token: str, nonce: bytes) -> bytes:
     return hmac.new(_digest(token), PROOF_CONTEXT + nonce, hashlib.sha256).digest()
 
 
+def tenant_salts(tenants: Iterable[Any]) -> dict[str, list[str]]:
+    """``store.tenants`` (``TenantConfig``s) as ``Authenticator`` takes them: tenant name ->
+    the salt digests its namespaces carry."""
+    return {t.name: [salt_digest(s.get_secret_value()) for s in t.cache_salts] for t in tenants}
+
+
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
@@ -122,6 +129,9 @@ class Authenticator:
         # handshake verified against auth.tls.ca_file (``check_exposure`` refuses a server
         # with such credentials whose listener does not verify client certificates)
         self._identities: dict[str, Principal] = {}
+        # every credential's principal by name: for work done later on a principal's behalf
+        # (an index follower writes with the rights of the location's registrant)
+        self.by_name: dict[str, Principal] = {}
         for cred in config.all_credentials():
             salts: frozenset[str] | None = None
             if cred.tenants:
@@ -134,6 +144,7 @@ class Authenticator:
                     )
                 salts = frozenset(s for t in cred.tenants for s in tenant_salts.get(t, ()))
             principal = Principal(cred.name, cred.role, salts)
+            self.by_name[cred.name] = principal
             if cred.token is not None:
                 self._principals.append((_digest(cred.token.get_secret_value()), principal))
             if cred.tls_identity is not None and config.tls.verifies_clients:

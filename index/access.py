@@ -36,7 +36,7 @@ from typing import Any
 
 from kvtier.auth import Principal
 from kvtier.chunks import Tier
-from kvtier.config_auth import AuthConfig, Role
+from kvtier.config_auth import Role
 from kvtier.config_index import IndexConfig
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.index.api import (
@@ -58,7 +58,7 @@ from kvtier.index.api import (
     unknown_location,
     unserved_namespace,
 )
-from kvtier.keys import Namespace, salt_digest
+from kvtier.keys import Namespace
 from kvtier.store.api.events import EventKind
 
 MAX_HEARTBEAT_LOCATIONS = 4096  # names in one Heartbeat call
@@ -71,25 +71,6 @@ def may_see(principal: Principal, definition: Namespace | None) -> bool:
     if principal.salts is None:
         return True
     return definition is not None and principal.may_use_salt(definition.cache_salt)
-
-
-def tenant_salts(tenants: Iterable[Any]) -> dict[str, list[str]]:
-    """``store.tenants`` as ``Authenticator`` takes them: tenant name -> salt digests (what
-    namespaces carry), as the store computes them."""
-    return {t.name: [salt_digest(s.get_secret_value()) for s in t.cache_salts] for t in tenants}
-
-
-def owner_salts(
-    auth: AuthConfig, salts: Mapping[str, Iterable[str]]
-) -> dict[str, frozenset[str] | None]:
-    """Credential name -> the salt digests it may use (None: every namespace), for followers
-    that write on behalf of a registration's owner. The same rule as ``Authenticator``."""
-    out: dict[str, frozenset[str] | None] = {}
-    for cred in auth.all_credentials():
-        out[cred.name] = (
-            frozenset(s for t in cred.tenants for s in salts.get(t, ())) if cred.tenants else None
-        )
-    return out
 
 
 class IndexAccess:

@@ -77,8 +77,8 @@ class IngestManager:
         """``store_auth``: what the index presents to the stores it follows, once they proved
         a node credential known to ``verify`` (None: no credentials to check proofs against,
         which is only allowed where nothing is presented). ``owners``: credential name ->
-        salt digests it may use (None: all), for followers of registrations (``owner_salts``);
-        a registration by a credential not listed there may write no namespace."""
+        salt digests it may use (None: all; ``Authenticator.by_name``), for followers of
+        registrations; a registration by a credential not listed there may write no namespace."""
         self.index = index
         self.config = config
         self.store_auth = store_auth

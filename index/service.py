@@ -21,12 +21,12 @@ from typing import Any
 import grpc
 
 from kvtier import rpc
-from kvtier.auth import Authenticator, check_exposure
+from kvtier.auth import Authenticator, check_exposure, tenant_salts
 from kvtier.config import KvtierConfig
 from kvtier.config_auth import AuthConfig
 from kvtier.config_index import IndexConfig
 from kvtier.http import HttpGuard, HttpServer
-from kvtier.index.access import IndexAccess, owner_salts, tenant_salts
+from kvtier.index.access import IndexAccess
 from kvtier.index.api import ChunkIndex, ForwardingIndex, IndexHealth
 from kvtier.index.client import connect  # noqa: F401 - kvtier.index.service.connect, kept
 from kvtier.index.grpc_server import INDEX_PERMISSIONS, start_grpc_server
@@ -119,7 +119,7 @@ class IndexService:
                 config,
                 rpc.ClientAuth.from_config(auth),
                 verify=authenticator,
-                owners=owner_salts(auth, tenants),
+                owners={name: p.salts for name, p in authenticator.by_name.items()},
             )
             # health (readiness, metrics, stats) says "resyncing" until the sources have
             # resent their state after the backend lost its data

@@ -19,12 +19,11 @@ from typing import Any
 import grpc
 
 from kvtier import rpc
-from kvtier.auth import Authenticator, check_exposure
+from kvtier.auth import Authenticator, check_exposure, tenant_salts
 from kvtier.config import AuthConfig, KvtierConfig, StoreConfig
 from kvtier.http import HttpGuard, HttpServer
 from kvtier.index.api import LocationKind, Registration
 from kvtier.index.client.announce import Announcer
-from kvtier.keys import salt_digest
 from kvtier.store.grpc_server import STORE_PERMISSIONS, start_grpc_server
 from kvtier.store.http import build_app
 from kvtier.store.metrics import build_registry
@@ -67,11 +66,7 @@ class StoreService:
         ``auth``: who may call it, and what it presents to the index and its peers."""
         auth = auth or AuthConfig()
         check_exposure("kvtier store", [config.grpc_host, config.http_host], auth)
-        tenant_salts = {
-            t.name: [salt_digest(s.get_secret_value()) for s in t.cache_salts]
-            for t in config.tenants
-        }
-        authenticator = Authenticator(auth, tenant_salts)
+        authenticator = Authenticator(auth, tenant_salts(config.tenants))
         security = rpc.ServerSecurity(
             authenticator,
             STORE_PERMISSIONS,
