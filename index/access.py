@@ -103,7 +103,10 @@ class IndexAccess:
         return {ns for ns, d in self.index.namespaces().items() if may_see(principal, d)}
 
     def namespaces(self, principal: Principal) -> dict[bytes, Namespace | None]:
-        return {ns: d for ns, d in self.index.namespaces().items() if may_see(principal, d)}
+        known = self.index.namespaces()
+        if principal.salts is None:
+            return known
+        return {ns: d for ns, d in known.items() if may_see(principal, d)}
 
     def register_namespace(self, principal: Principal, namespace_json: str, ns_id: bytes) -> bytes:
         """A definition (``namespace_json``) or, when empty, an id only."""
