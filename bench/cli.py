@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from pydantic import ByteSize, TypeAdapter
 
-from kvtier.bench.cli_cluster import bench_cluster
+from kvtier.bench.cluster.options import bench_cluster
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against floors and peers.")
 
@@ -40,7 +40,7 @@ def bench_pool(
     json_out: JsonOut = None,
 ) -> None:
     """DRAM pool put/get throughput beside memcpy, and the control API's per-chunk cost."""
-    from kvtier.bench import pool
+    from kvtier.bench.micro import pool
 
     if mode not in ("process", "embedded"):
         raise typer.BadParameter("mode must be process or embedded")
@@ -62,7 +62,7 @@ def bench_keys(
     json_out: JsonOut = None,
 ) -> None:
     """Chunk keys per second for a long prompt (SHA-256, the spec, vs XXH3-128 vs BLAKE3)."""
-    from kvtier.bench import keys
+    from kvtier.bench.micro import keys
 
     report = keys.run(tokens, chunk_tokens)
     keys.print_report(report)
@@ -79,9 +79,9 @@ def bench_kv_copy(
     layers: Annotated[int, typer.Option(help="cpu default 4; cuda default 32")] = 0,
     kv_heads: Annotated[int, typer.Option(help="cuda: KV heads per layer")] = 8,
     head_size: Annotated[int, typer.Option(help="cuda")] = 128,
-    case: Annotated[str, typer.Option(help="cuda: the KV layout (kvtier.bench.kv_layouts)")] = (
-        "flash-attn"
-    ),
+    case: Annotated[
+        str, typer.Option(help="cuda: the KV layout (kvtier.bench.micro.kv_layouts)")
+    ] = ("flash-attn"),
     new_tokens: Annotated[
         int, typer.Option(help="cuda: tokens of the forward a layer-wise load hides under")
     ] = 512,
@@ -98,7 +98,7 @@ def bench_kv_copy(
     if device == "cuda":
         import torch
 
-        from kvtier.bench import kv_copy_cuda
+        from kvtier.bench.micro import kv_copy_cuda
 
         if not torch.cuda.is_available():
             typer.echo("no CUDA device here: --device cuda measures a GPU's copies", err=True)
@@ -118,7 +118,7 @@ def bench_kv_copy(
         if plot is not None:
             kv_copy_cuda.plot([report], plot)
     elif device == "cpu" and len(counts) == 1:
-        from kvtier.bench import kv_copy
+        from kvtier.bench.micro import kv_copy
 
         report = kv_copy.run(
             counts[0], int(_bytes.validate_python(page)), layers or 4, repeat=repeat
@@ -143,7 +143,7 @@ def bench_remote(
     json_out: JsonOut = None,
 ) -> None:
     """Remote get latency/throughput: kvtier Fetch vs the raw transfer engine vs Mooncake Store."""
-    from kvtier.bench import remote
+    from kvtier.bench.micro import remote
 
     report = remote.run(
         _sizes(sizes),
@@ -178,7 +178,7 @@ def bench_tier_latency(
     ),
 ) -> None:
     """TTFT of miss / GPU hit / DRAM hit (and peers) by prefix length, tiers verified."""
-    from kvtier.bench import tier_latency
+    from kvtier.bench.engine import tier_latency
 
     report = tier_latency.run(
         [int(x) for x in lengths.split(",")],
@@ -202,7 +202,7 @@ def bench_connector_overhead(
     json_out: JsonOut = None,
 ) -> None:
     """Scheduler-side connector µs per engine step vs chunks held by the node store."""
-    from kvtier.bench import connector_overhead
+    from kvtier.bench.engine import connector_overhead
 
     rows = connector_overhead.run([int(x) for x in cached.split(",")])
     connector_overhead.print_report(rows)
@@ -222,7 +222,7 @@ def bench_decode_overhead(
     json_out: JsonOut = None,
 ) -> None:
     """TPOT and TTFT of one vLLM server with and without kvtier's connector, same workload."""
-    from kvtier.bench import decode_overhead
+    from kvtier.bench.engine import decode_overhead
 
     chosen = tuple(c.strip() for c in configs.split(",") if c.strip())
     unknown = [c for c in chosen if c not in decode_overhead.CONFIGS]
@@ -248,7 +248,7 @@ def bench_index(
     json_out: JsonOut = None,
 ) -> None:
     """Index query latency (both backends) and vLLM event ingest rate, beside their floors."""
-    from kvtier.bench import index
+    from kvtier.bench.micro import index
 
     chosen = [b.strip() for b in backends.split(",") if b.strip()]
     if not chosen or any(b not in ("memory", "redis") for b in chosen):
@@ -306,10 +306,11 @@ def bench_knee(
     """Hit ratio by tier and TTFT vs GPU KV capacity (and DRAM): the knee, beside S*W."""
     import tempfile
 
-    from kvtier.bench import knee, knee_report
-    from kvtier.bench.knee_workload import Workload
-    from kvtier.bench.models import ModelInfo, make_model
-    from kvtier.errors import KvtierError
+    from kvtier.bench.knee import report as knee_report
+    from kvtier.bench.knee import run as knee
+    from kvtier.bench.knee.workload import Workload
+    from kvtier.core.errors import KvtierError
+    from kvtier.testing.models import ModelInfo, make_model
 
     if report_json is not None:
         saved = knee.KneeReport.from_json(json.loads(report_json.read_text()))
@@ -378,9 +379,9 @@ def bench_faults(
     from rich.table import Table
     from tqdm import tqdm
 
-    from kvtier.bench import faults
-    from kvtier.bench.drills import DRILLS
-    from kvtier.logs import console
+    from kvtier.bench.faults import run as faults
+    from kvtier.bench.faults.drills import DRILLS
+    from kvtier.core.logs import console
 
     names = [d.strip() for d in drills.split(",")] if drills else list(DRILLS)
     unknown = [n for n in names if n not in DRILLS]
@@ -428,7 +429,7 @@ def bench_router(
 ) -> None:
     """What one routing decision costs (tokenize + keys + index query + score) at long
     prompts, beside tokenizing from scratch and a bare index round trip."""
-    from kvtier.bench import router
+    from kvtier.bench.micro import router
 
     report = router.run(backends, max_tokens, turn_tokens, sessions, policy)
     router.print_report(report)
@@ -437,3 +438,20 @@ def bench_router(
 
 # kvtier bench cluster: its options are many, so the command lives in its own module
 bench_app.command("cluster")(bench_cluster)
+
+
+@bench_app.command("trace-tools")
+def trace_tools_cmd(
+    trace: Annotated[Path, typer.Argument(help="a Mooncake trace to repeat")] = Path(
+        "/work/shared/data/traces/mooncake_synthetic_trace.jsonl"
+    ),
+    copies: Annotated[int, typer.Option(help="copies of the trace, back to back")] = 3,
+    repeat: Annotated[int, typer.Option(help="runs per case; the best is kept")] = 3,
+    json_out: JsonOut = None,
+) -> None:
+    """Speed of analyze / capacity / simulate beside the parse and bare-LRU floors."""
+    from kvtier.bench.micro import trace_tools as speed
+
+    report = speed.run(trace, copies, repeat)
+    speed.print_report(report)
+    _write(report, json_out)

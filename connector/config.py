@@ -26,8 +26,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvtier.config import KvtierConfig, load_config
-from kvtier.config_connector import ConnectorConfig, LoadMode, SavePolicy, TierName
+from kvtier.core.config import KvtierConfig, load_config
+from kvtier.core.config.connector import ConnectorConfig, LoadMode, SavePolicy, TierName
 
 __all__ = [
     "ConnectorConfig",

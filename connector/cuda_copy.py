@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.chunks import extent_pieces
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import ChunkCopy
+from kvtier.core.chunks import extent_pieces
 
 WORD = 8  # bytes the kernel moves per element
 TILE = 1024  # words per program: 8 KiB, a 64 KiB page is 8 programs

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.fingerprint import model_config_fingerprint, weights_fingerprint
-from kvtier.keys import Namespace
+from kvtier.core.keys import Namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,7 +82,7 @@ class ModelIdentity:
     def namespace(
         self, geometry: KvGeometry, tp_rank: int, salt_digest: str = "", lora_fp: str = ""
     ) -> Namespace:
-        """``salt_digest``: ``kvtier.keys.salt_digest(request.cache_salt)``; ``lora_fp``: the
+        """``salt_digest``: ``kvtier.core.keys.salt_digest(request.cache_salt)``; ``lora_fp``: the
         adapter's weights fingerprint (``AdapterFingerprints``)."""
         tag = self.tag if not self.generation else f"{self.tag}#gen={self.generation}"
         return Namespace(

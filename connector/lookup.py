@@ -24,13 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvtier.chunks import ChunkLocation
-from kvtier.config_connector import ConnectorConfig
 from kvtier.connector.counters import C, Counter, stage_counters
 from kvtier.connector.fingerprint import AdapterFingerprints
 from kvtier.connector.layout import KvGeometry, ModelIdentity
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import PromptKeyer, salt_digest
+from kvtier.core.chunks import ChunkLocation
+from kvtier.core.config.connector import ConnectorConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import PromptKeyer, salt_digest
 from kvtier.tiers import Tiers
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.chunks import SegmentRef
+from kvtier.core.chunks import SegmentRef
 
 __all__ = [
     "ChunkCopy",

@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtier.chunks import extent_pieces
 from kvtier.connector import cuda_copy
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import ChunkCopy
 from kvtier.connector.streams import DeviceOrdering, HostOrdering
+from kvtier.core.chunks import extent_pieces
 from kvtier.tiers.cpu import SharedSegment
 
 log = logging.getLogger(__name__)

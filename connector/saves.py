@@ -27,13 +27,13 @@ from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
-from kvtier.chunks import SegmentRef
-from kvtier.config_connector import ConnectorConfig
 from kvtier.connector.counters import SAVE_STATUS, C, Counter
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.lookup import RequestState
 from kvtier.connector.metadata import ChunkCopy, SaveJob
-from kvtier.errors import KvtierError
+from kvtier.core.chunks import SegmentRef
+from kvtier.core.config.connector import ConnectorConfig
+from kvtier.core.errors import KvtierError
 from kvtier.store.api.types import AllocateResult, AllocStatus
 from kvtier.tiers.base import PoolTier
 

@@ -32,7 +32,6 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from kvtier.config_connector import ConnectorConfig
 from kvtier.connector.counters import HIT_TOKENS, C, Counter, Tally
 from kvtier.connector.layout import KvGeometry, ModelIdentity
 from kvtier.connector.lookup import LookupOutcome, RequestState, TierResolver, take_leases
@@ -44,7 +43,8 @@ from kvtier.connector.metadata import (
     SegmentRef,
 )
 from kvtier.connector.saves import SavePlanner
-from kvtier.errors import KvtierError
+from kvtier.core.config.connector import ConnectorConfig
+from kvtier.core.errors import KvtierError
 from kvtier.tiers import Tiers
 
 if TYPE_CHECKING:

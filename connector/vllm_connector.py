@@ -33,7 +33,7 @@ from kvtier.connector.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.connector.scheduler import ConnectorScheduler
 from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
 from kvtier.connector.worker import ConnectorWorker
-from kvtier.errors import KvtierError
+from kvtier.core.errors import KvtierError
 from kvtier.tiers import open_tiers
 
 if TYPE_CHECKING:
@@ -137,9 +137,9 @@ class KvtierConnector(KVConnectorBase_V1):
             or events.publisher != "zmq"
         ):
             return None
+        from kvtier.core.rpc import ClientAuth
         from kvtier.index.api import LocationKind, Registration
         from kvtier.index.client.announce import Announcer
-        from kvtier.rpc import ClientAuth
 
         def reachable(endpoint: str) -> str:
             host = self.config.instance_host
@@ -296,7 +296,7 @@ class KvtierConnector(KVConnectorBase_V1):
         skipped are copied in ``wait_for_save``)."""
         load_mode = (extra_config or {}).get("load_mode")
         if load_mode is None:
-            from kvtier.config import load_config
+            from kvtier.core.config import load_config
 
             load_mode = load_config().connector.load_mode
         return load_mode == "sync"

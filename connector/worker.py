@@ -37,7 +37,6 @@ from collections import OrderedDict
 
 import torch
 
-from kvtier.config_connector import ConnectorConfig
 from kvtier.connector.counters import C, Tally
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import (
@@ -48,6 +47,7 @@ from kvtier.connector.metadata import (
     SegmentRef,
 )
 from kvtier.connector.paged_kv import CopyPlan, PagedKV, PoolView
+from kvtier.core.config.connector import ConnectorConfig
 from kvtier.tiers.cpu import checksum_views, map_segment
 
 log = logging.getLogger(__name__)

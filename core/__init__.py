@@ -1,3 +1,6 @@
-"""kvtier: a tiered KV-cache store for LLM serving (GPU, node-shared DRAM, remote DRAM)."""
+"""The vocabulary every kvtier package shares: chunk keys (``keys``), tiers and chunk
+facts (``chunks``), error codes (``errors``), the one config model (``config``), who may call
+what (``auth``), and the gRPC / HTTP plumbing of every service (``rpc``, ``http``).
 
-__version__ = "0.1.0"
+May import: nothing else of kvtier. Everything else may import it.
+"""

@@ -26,9 +26,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config_auth import AuthConfig, Role
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import salt_digest
+from kvtier.core.config.auth import AuthConfig, Role
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import salt_digest
 
 
 class Permission(enum.StrEnum):
@@ -202,7 +202,7 @@ def peer_certificate_identities(peercert: Mapping[str, Any] | None) -> list[str]
     """The identities a ``tls_identity`` credential may name, from a client certificate as
     ``ssl.SSLObject.getpeercert()`` gives it (a verified one: the server's context has
     ``CERT_REQUIRED`` and ``auth.tls.ca_file``): common names, DNS and URI subject
-    alternative names. For HTTP servers; gRPC's come from ``kvtier.rpc``."""
+    alternative names. For HTTP servers; gRPC's come from ``kvtier.core.rpc``."""
     if not peercert:
         return []
     names = [v for rdn in peercert.get("subject", ()) for k, v in rdn if k == "commonName"]

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from kvtier.config_auth import Role
+from kvtier.core.config.auth import Role
 
 auth_app = typer.Typer(no_args_is_help=True, help="Credentials for kvtier's services.")
 

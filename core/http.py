@@ -35,9 +35,15 @@ import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from kvtier.auth import Authenticator, Permission, Principal, bearer, peer_certificate_identities
-from kvtier.config_auth import TlsConfig
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.auth import (
+    Authenticator,
+    Permission,
+    Principal,
+    bearer,
+    peer_certificate_identities,
+)
+from kvtier.core.config.auth import TlsConfig
+from kvtier.core.errors import ErrorCode, KvtierError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

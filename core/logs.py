@@ -10,8 +10,8 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # a type only: kvtier.rpc imports this module, and needs no config
-    from kvtier.config import KvtierConfig
+if TYPE_CHECKING:  # a type only: kvtier.core.rpc imports this module, and needs no config
+    from kvtier.core.config import KvtierConfig
 
 
 def setup_logging(config: KvtierConfig) -> None:

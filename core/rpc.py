@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import grpc
 
-from kvtier.auth import (
+from kvtier.core.auth import (
     ANONYMOUS,
     UNAUTHENTICATED,
     Authenticator,
@@ -32,9 +32,9 @@ from kvtier.auth import (
     Principal,
     bearer,
 )
-from kvtier.config_auth import AuthConfig, TlsConfig
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.logs import Throttled
+from kvtier.core.config.auth import AuthConfig, TlsConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.logs import Throttled
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.chunks import Tier
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import KEY_BYTES, Namespace, chunk_keys
+from kvtier.core.chunks import Tier
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import KEY_BYTES, Namespace, chunk_keys
 from kvtier.store.api.events import EventKind
 
 # Tiers an entry can name. REMOTE is a consumer's point of view (another node's DRAM), not

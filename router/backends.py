@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvtier.config_router import RouterConfig
+from kvtier.core.config.router import RouterConfig
 from kvtier.index.api import ChunkIndex, LocationKind, LocationStatus
 from kvtier.router.discovery import DiscoveryPolicy
 from kvtier.router.policies import Load

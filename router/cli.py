@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from kvtier.config import load_config
-from kvtier.logs import setup_logging
+from kvtier.core.config import load_config
+from kvtier.core.logs import setup_logging
 
 router_app = typer.Typer(no_args_is_help=True, help="The cache-, tier- and load-aware router.")
 ConfigOpt = Annotated[

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kvtier.chunks import Tier
+from kvtier.core.chunks import Tier
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.index.api import ChunkIndex, LocationKind, Query, QueryResult
-from kvtier.keys import Namespace, prompt_keys
 from kvtier.router.backends import Backend, Backends, NoBackend
 from kvtier.router.index_gate import IndexGate
 from kvtier.router.policies import Candidate, Coverage, Decision, Policy, RouteRequest

@@ -21,8 +21,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtier.config_auth import AuthConfig
-from kvtier.config_router import LOOPBACK_PATTERNS, HostPattern, RouterConfig, url_host_port
+from kvtier.core.config.auth import AuthConfig
+from kvtier.core.config.router import LOOPBACK_PATTERNS, HostPattern, RouterConfig, url_host_port
 
 log = logging.getLogger(__name__)
 

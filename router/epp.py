@@ -60,11 +60,12 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from kvtier.auth import Authenticator, Permission, bearer
-from kvtier.config import KvtierConfig
-from kvtier.config_auth import TlsConfig
-from kvtier.config_router import RouterConfig
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.auth import Authenticator, Permission, bearer
+from kvtier.core.config import KvtierConfig
+from kvtier.core.config.auth import TlsConfig
+from kvtier.core.config.router import RouterConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.rpc import certificate_identities
 from kvtier.index.api import ChunkIndex
 from kvtier.router.backends import NoBackend
 from kvtier.router.core import Routed, RoutingCore
@@ -94,7 +95,6 @@ from kvtier.router.proxy import Proxy
 from kvtier.router.requests import parse_body
 from kvtier.router.service import Loops, make_core
 from kvtier.router.tokenize import PromptTokenizer
-from kvtier.rpc import certificate_identities
 
 log = logging.getLogger(__name__)
 
@@ -538,9 +538,9 @@ class EppServer:
 
 def serve(config: KvtierConfig) -> None:
     """Run the endpoint picker until SIGINT/SIGTERM. Prints a JSON ready line."""
-    from kvtier.auth import check_exposure
+    from kvtier.core.auth import check_exposure
+    from kvtier.core.rpc import ClientAuth
     from kvtier.index.client import connect as connect_index
-    from kvtier.rpc import ClientAuth
 
     rc = config.router
     # It decides where GPU time goes: off loopback it needs credentials (requests then carry

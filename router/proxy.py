@@ -33,10 +33,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier import __version__
-from kvtier.auth import Authenticator, Permission, bearer
-from kvtier.config_router import RouterConfig
-from kvtier.errors import KvtierError
-from kvtier.http import peer_identities
+from kvtier.core.auth import Authenticator, Permission, bearer
+from kvtier.core.config.router import RouterConfig
+from kvtier.core.errors import KvtierError
+from kvtier.core.http import peer_identities
 from kvtier.router.backends import Backend, NoBackend
 from kvtier.router.core import Routed, RoutingCore
 from kvtier.router.metrics import RouterMetrics

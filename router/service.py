@@ -6,7 +6,7 @@ Loops (on the proxy's event loop):
 - probe: a real 1-token completion per instance every ``probe_s`` — a port that answers says
   nothing about a deadlocked engine. A failed probe ejects; a passing one re-admits.
 
-Served by uvicorn with kvtier's HTTP limits (``kvtier.http.server_config``: header and body
+Served by uvicorn with kvtier's HTTP limits (``kvtier.core.http.server_config``: header and body
 deadlines, body size, connection cap) and ``auth.tls`` (TLS; client certificates with
 ``ca_file``), as the store's and the index's HTTP servers are.
 """
@@ -25,10 +25,10 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.auth import Authenticator
-from kvtier.config import KvtierConfig
-from kvtier.config_router import RouterConfig
-from kvtier.http import server_config
+from kvtier.core.auth import Authenticator
+from kvtier.core.config import KvtierConfig
+from kvtier.core.config.router import RouterConfig
+from kvtier.core.http import server_config
 from kvtier.index.api import ChunkIndex
 from kvtier.router.backends import Backend, Backends
 from kvtier.router.core import RoutingCore
@@ -202,9 +202,9 @@ def build(
 
 def serve(config: KvtierConfig) -> None:
     """Run the router until SIGINT/SIGTERM (uvicorn's handlers). Prints a JSON ready line."""
-    from kvtier.auth import check_exposure
+    from kvtier.core.auth import check_exposure
+    from kvtier.core.rpc import ClientAuth
     from kvtier.index.client import connect as connect_index
-    from kvtier.rpc import ClientAuth
 
     rc = config.router
     # The front door spends GPU time: off loopback it needs credentials (role client).

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from kvtier.connector.fingerprint import config_fingerprint
-from kvtier.keys import Namespace, prompt_keys, salt_digest
+from kvtier.core.keys import Namespace, prompt_keys, salt_digest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "keys"
 OUT = DOCS / "vectors.json"

@@ -20,8 +20,8 @@ file naming ``/dev/shm/victim`` or ``../x`` is logged and ignored.
 
 Sessions: clients may open sessions (``open_session``) and create leases under them; the
 reaper thread ends a session without heartbeat for ``store.session_timeout_s`` together with
-its leases (``kvtier.store.sessions``). It also retires namespaces left empty and unused
-(``kvtier.store.core``), so that the count of namespaces stays low.
+its leases (``kvtier.store.state.sessions``). It also retires namespaces left empty and unused
+(``kvtier.store.state.core``), so that the count of namespaces stays low.
 """
 
 from __future__ import annotations
@@ -39,19 +39,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier import __version__
-from kvtier.auth import Authenticator
-from kvtier.config import StoreConfig
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace
-from kvtier.rpc import ClientAuth
+from kvtier.core.auth import Authenticator
+from kvtier.core.config import StoreConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace
+from kvtier.core.rpc import ClientAuth
 from kvtier.store.api import StoreClient, StoreInfo
 from kvtier.store.api.events import EventBatch, EventGap
 from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
 from kvtier.store.client.shm import SHM_DIR, SharedSegment, checksum_views
-from kvtier.store.core import StoreCore
-from kvtier.store.limits import StoreLimits
-from kvtier.store.watchdog import start_watchdog, stop_watchdog
+from kvtier.store.pool.watchdog import start_watchdog, stop_watchdog
+from kvtier.store.state.core import StoreCore
+from kvtier.store.state.limits import StoreLimits
 
 if TYPE_CHECKING:
     from kvtier.store.remote.service import RemoteTier

@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import RedisServer, StoreProcess, start_redis, start_store_process
 
-from kvtier.config import StoreConfig
-from kvtier.keys import Namespace
+from kvtier.core.config import StoreConfig
+from kvtier.core.keys import Namespace
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ exactly what every KV page must hold.
 What is real: vLLM 0.32's ``Scheduler`` (its queues, prefix cache, preemption, chunked
 prefill, failed-load handling, streaming-input sessions) creating ``KvtierConnector`` through
 its own factory; kvtier's ``ConnectorWorker`` copying between a paged CPU KV cache (laid out
-as vLLM allocates it, ``kvtier.bench.kv_layouts``) and the store's pool; the store (embedded,
+as vLLM allocates it, ``kvtier.bench.micro.kv_layouts``) and the store's pool; the store (embedded,
 or a real process when ``store_address`` is given).
 
 What stands in for the model: each step "computes" the KV of the tokens it schedules by
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.bench import kv_layouts
-from kvtier.bench.models import make_tiny_llama
+from kvtier.bench.micro import kv_layouts
 from kvtier.connector.metadata import KvtierMetadata
 from kvtier.connector.worker import ConnectorWorker
+from kvtier.testing.models import make_tiny_llama
 
 BLOCK = 16
 HEADS = 2

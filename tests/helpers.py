@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.bench.ports import free_port
-from kvtier.bench.services import Service, _start, start_store
+from kvtier.testing.ports import free_port
+from kvtier.testing.services import Service, _start, start_store
 
 StoreProcess = Service  # a store process, as the tests call it
 
@@ -40,8 +40,8 @@ def chunk_bytes(seed: int, size: int) -> np.ndarray:
 
 def child_put(address: str, ns_json: str, chunk_size: int, n: int, seed: int) -> list[str]:
     """Put n chunks (seeded content) through the store at address; returns their keys (hex)."""
-    from kvtier.config import StoreConfig
-    from kvtier.keys import Namespace, prompt_keys
+    from kvtier.core.config import StoreConfig
+    from kvtier.core.keys import Namespace, prompt_keys
     from kvtier.tiers import connect
 
     ns = Namespace.model_validate_json(ns_json)
@@ -54,8 +54,8 @@ def child_put(address: str, ns_json: str, chunk_size: int, n: int, seed: int) ->
 
 
 def child_get(address: str, ns_json: str, chunk_size: int, keys_hex: list[str]) -> list[bytes]:
-    from kvtier.config import StoreConfig
-    from kvtier.keys import Namespace
+    from kvtier.core.config import StoreConfig
+    from kvtier.core.keys import Namespace
     from kvtier.tiers import connect
 
     ns = Namespace.model_validate_json(ns_json)
@@ -68,8 +68,8 @@ def child_lease_and_die(
     address: str, ns_json: str, chunk_size: int, keys_hex: list[str], ttl_s: float
 ) -> None:
     """Take a read lease and die without releasing it (SIGKILL to itself)."""
-    from kvtier.config import StoreConfig
-    from kvtier.keys import Namespace
+    from kvtier.core.config import StoreConfig
+    from kvtier.core.keys import Namespace
     from kvtier.tiers import connect
 
     ns = Namespace.model_validate_json(ns_json)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.config import load_config
-from kvtier.keys import Namespace, prompt_keys
-from kvtier.rpc import ClientAuth
+from kvtier.core.config import load_config
+from kvtier.core.keys import Namespace, prompt_keys
+from kvtier.core.rpc import ClientAuth
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.tiers.cpu import CpuTier
 

@@ -15,15 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import cluster, cluster_figures, cluster_report
-from kvtier.bench.cluster_trace import TracePlan, prepare
-from kvtier.bench.fleet import events_namespace
-from kvtier.bench.models import ModelInfo, make_model
-from kvtier.bench.trace.formats import TraceFormat, TraceReader, TraceRequest, TraceWriter
-from kvtier.bench.trace.replay import ReplayResult
-from kvtier.bench.trace.sample import SampleOptions
-from kvtier.errors import KvtierError
-from kvtier.keys import Namespace
+from kvtier.bench.cluster import figures as cluster_figures
+from kvtier.bench.cluster import report as cluster_report
+from kvtier.bench.cluster import run as cluster
+from kvtier.bench.cluster.trace import TracePlan, prepare
+from kvtier.core.errors import KvtierError
+from kvtier.core.keys import Namespace
+from kvtier.testing.fleet import events_namespace
+from kvtier.testing.models import ModelInfo, make_model
+from kvtier.traces.formats import TraceFormat, TraceReader, TraceRequest, TraceWriter
+from kvtier.traces.replay import ReplayResult
+from kvtier.traces.sample import SampleOptions
 
 MOONCAKE = Path("/work/shared/data/traces/mooncake_synthetic_trace.jsonl")
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from kvtier.bench.cpu_usage import CpuMeter
+from kvtier.bench.cluster.cpu_usage import CpuMeter
 
 # A parent that only waits for its child, which spins until it has used 2 s of CPU.
 SPIN = "import time\nwhile time.process_time() < 2: pass"

@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.bench import knee
-from kvtier.bench.knee_workload import Workload
-from kvtier.bench.models import ModelInfo, make_model
-from kvtier.bench.trace.analyze import analyze_file
-from kvtier.bench.trace.formats import TraceReader
-from kvtier.bench.trace.replay import Replayer, ReplayOptions, parse_prometheus
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.bench.knee import run as knee
+from kvtier.bench.knee.workload import Workload
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.testing.models import ModelInfo, make_model
+from kvtier.traces.analyze import analyze_file
+from kvtier.traces.formats import TraceReader
+from kvtier.traces.replay import Replayer, ReplayOptions, parse_prometheus
 
 W = Workload(sessions=3, turns=4, user_tokens=64, output_tokens=32, seed=7)
 
@@ -185,7 +185,7 @@ def _result(gpu_blocks: int, dram: int | None, device: float, host: float) -> kn
 def test_report_knees_table_plot_and_json_round_trip(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from kvtier.bench import knee_report
+    from kvtier.bench.knee import report as knee_report
     from kvtier.cli import app
 
     dram = 12 << 20
@@ -258,7 +258,7 @@ def test_per_session_pacing_keeps_each_sessions_turns_in_order() -> None:
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_hits_collapse_below_the_working_set_and_dram_gives_them_back(tmp_path: Path) -> None:
-    from kvtier.bench import knee_report
+    from kvtier.bench.knee import report as knee_report
 
     model_dir = make_model(tmp_path / "tiny", "tiny")
     info = ModelInfo.read(model_dir)
@@ -334,8 +334,8 @@ def test_trace_replay_cli_sends_the_workload_per_session(tmp_path: Path) -> None
     """The workload file replays with `kvtier trace replay --per-session` (any endpoint)."""
     from typer.testing import CliRunner
 
-    from kvtier.bench.trace.replay import read_results
     from kvtier.cli import app
+    from kvtier.traces.replay import read_results
 
     trace = W.write_trace(tmp_path / "w.jsonl")
     out = tmp_path / "r.jsonl"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from kvtier.bench.ports import MIN_SPAN, ephemeral_start, free_port
+from kvtier.testing.ports import MIN_SPAN, ephemeral_start, free_port
 
 
 def test_ports_are_bindable_distinct_and_below_the_ephemeral_range() -> None:

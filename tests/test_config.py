@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvtier.config import load_config
+from kvtier.core.config import load_config
 
 
 def test_defaults_work_alone(monkeypatch: pytest.MonkeyPatch) -> None:

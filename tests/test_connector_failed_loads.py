@@ -143,8 +143,8 @@ def test_async_scheduling_makes_loads_async_and_their_failures_exact(tmp_path: P
 
 
 def test_load_mode_follows_async_scheduling() -> None:
-    from kvtier.config_connector import ConnectorConfig
     from kvtier.connector.config import with_engine_constraints
+    from kvtier.core.config.connector import ConnectorConfig
 
     sync = ConnectorConfig(load_mode="sync")
     assert with_engine_constraints(sync, async_scheduling=True).load_mode == "async"

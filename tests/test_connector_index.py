@@ -10,11 +10,11 @@ import pytest
 from helpers import start_index_process
 from vllm_fixtures import make_tiny_llama, vllm_env
 
-from kvtier.bench.ports import free_port
-from kvtier.bench.vllm_driver import kvtier_transfer_config, run_vllm
-from kvtier.chunks import Tier
+from kvtier.core.chunks import Tier
 from kvtier.index.api import LocationKind, Query
 from kvtier.index.client.grpc import GrpcIndexClient
+from kvtier.testing.ports import free_port
+from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
 
 pytestmark = pytest.mark.vllm
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from engine_rig import EngineRig
 
-from kvtier.bench.models import make_tiny_deepseek_v2
 from kvtier.connector.layout import prefix_reuse_refused
+from kvtier.testing.models import make_tiny_deepseek_v2
 
 
 def test_mla_on_cpu_is_refused_with_the_reason(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 from helpers import StoreProcess, http_json, start_index_process, start_store_process
 from vllm_fixtures import make_tiny_llama, vllm_env
 
-from kvtier.bench.vllm_driver import kvtier_transfer_config, run_vllm
+from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.remote]
 

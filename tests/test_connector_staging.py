@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.config import StoreConfig
-from kvtier.config_connector import ConnectorConfig
 from kvtier.connector.layout import KvGeometry, ModelIdentity
 from kvtier.connector.lookup import RequestState, TierResolver
+from kvtier.core.config import StoreConfig
+from kvtier.core.config.connector import ConnectorConfig
 from kvtier.tiers import Tiers, connect
 from kvtier.tiers.base import StageResult, StageStatus, StagingTier
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from helpers import StoreProcess, start_store_process
 
-from kvtier.config import StoreConfig
-from kvtier.config_connector import ConnectorConfig
 from kvtier.connector.layout import KvGeometry, ModelIdentity
 from kvtier.connector.scheduler import ConnectorScheduler
+from kvtier.core.config import StoreConfig
+from kvtier.core.config.connector import ConnectorConfig
 from kvtier.tiers import Tiers, connect
 
 CHUNK = 64

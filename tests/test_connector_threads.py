@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvtier.config import StoreConfig
+from kvtier.core.config import StoreConfig
 from kvtier.tiers import connect
 
 

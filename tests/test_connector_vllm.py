@@ -1,5 +1,5 @@
 """The connector inside a real vLLM (CPU build, tiny random model): exact hits, sharing,
-attribution, bad configs. Each vLLM instance runs in its own process (kvtier.bench.vllm_driver).
+attribution, bad configs. Each vLLM instance runs in its own process (kvtier.testing.vllm_driver).
 Failure paths are drilled in test_fault_drills.py."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from helpers import StoreProcess, start_store_process
 from vllm_fixtures import make_tiny_llama, vllm_env
 
-from kvtier.bench.vllm_driver import kvtier_transfer_config, run_vllm
 from kvtier.connector.config import parse_extra_config
+from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -41,7 +41,7 @@ def start_failure(model: str, run_dir: Path, extra: dict) -> tuple[int, str]:
     extra = {"chunk_tokens": CHUNK} | extra
     spec = {"model": model, "phases": [], "kv_transfer_config": kvtier_transfer_config(extra)}
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.bench.vllm_driver"],
+        [sys.executable, "-m", "kvtier.testing.vllm_driver"],
         input=json.dumps(spec),
         capture_output=True,
         text=True,

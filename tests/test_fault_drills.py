@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.bench.drills import DRILLS, salted
-from kvtier.bench.faults import DrillContext, DrillResult, Prompts
+from kvtier.bench.faults.drills import DRILLS, salted
+from kvtier.bench.faults.run import DrillContext, DrillResult, Prompts
 
 pytestmark = pytest.mark.vllm
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import StoreConfig
 from kvtier.connector.fingerprint import (
     AdapterFingerprints,
     config_fingerprint,
@@ -17,7 +16,8 @@ from kvtier.connector.fingerprint import (
     weights_fingerprint,
 )
 from kvtier.connector.guard import HookGuard
-from kvtier.keys import Namespace
+from kvtier.core.config import StoreConfig
+from kvtier.core.keys import Namespace
 from kvtier.tiers import connect
 
 
@@ -117,9 +117,9 @@ def test_lora_namespace_follows_the_adapter_weights_not_its_name(
     from vllm.lora.request import LoRARequest
     from vllm.v1.request import Request
 
-    from kvtier.config_connector import ConnectorConfig
     from kvtier.connector.layout import KvGeometry, ModelIdentity
     from kvtier.connector.lookup import RequestState, TierResolver
+    from kvtier.core.config.connector import ConnectorConfig
     from kvtier.tiers import Tiers
 
     adapters = {}
@@ -239,7 +239,7 @@ def _tiny_engine(tmp_path: Path, kv_block_size: int) -> tuple:
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from kvtier.bench.models import make_tiny_llama
+    from kvtier.testing.models import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "model")
     config = VllmConfig(

@@ -12,9 +12,10 @@ from helpers import RedisServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.chunks import Tier
-from kvtier.config_index import IndexConfig
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.chunks import Tier
+from kvtier.core.config.index import IndexConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.index.api import (
     ApplyStatus,
     ChunkIndex,
@@ -26,11 +27,10 @@ from kvtier.index.api import (
     Query,
     Registration,
 )
+from kvtier.index.backends.memory import MemoryIndex
+from kvtier.index.backends.redis import RedisIndex
 from kvtier.index.client.grpc import GrpcIndexClient
-from kvtier.index.memory import MemoryIndex
-from kvtier.index.redis_backend import RedisIndex
-from kvtier.index.service import IndexService
-from kvtier.keys import Namespace, prompt_keys
+from kvtier.index.server.service import IndexService
 from kvtier.store.api.events import EventKind
 
 STORED, REMOVED, CLEARED = EventKind.STORED, EventKind.REMOVED, EventKind.CLEARED

@@ -29,15 +29,15 @@ from helpers import (
 )
 from vllm_fixtures import FaultyPublisher, wait_for
 
-from kvtier.chunks import Tier
-from kvtier.config import StoreConfig
-from kvtier.config_index import IndexConfig, VllmSource
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.chunks import Tier
+from kvtier.core.config import StoreConfig
+from kvtier.core.config.index import IndexConfig, VllmSource
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.index.api import ApplyStatus, ChunkOp, LocationKind, Query, Registration
-from kvtier.index.redis_backend import RedisIndex
-from kvtier.index.service import IndexService
-from kvtier.index.vllm_wire import BlockStored
-from kvtier.keys import Namespace, prompt_keys
+from kvtier.index.backends.redis import RedisIndex
+from kvtier.index.ingest.vllm_wire import BlockStored
+from kvtier.index.server.service import IndexService
 from kvtier.store.api.events import EventKind
 from kvtier.tiers import connect
 

@@ -13,11 +13,11 @@ import pytest
 from helpers import RedisServer, free_port, http_json, start_redis
 from vllm_fixtures import FaultyPublisher, wait_for
 
-from kvtier.config_index import IndexConfig, VllmSource
+from kvtier.core.config.index import IndexConfig, VllmSource
+from kvtier.core.keys import Namespace
 from kvtier.index.api import IndexHealth, Query
-from kvtier.index.service import IndexService
-from kvtier.index.vllm_wire import BlockStored
-from kvtier.keys import Namespace
+from kvtier.index.ingest.vllm_wire import BlockStored
+from kvtier.index.server.service import IndexService
 
 NS = Namespace(model="m", dtype="bf16", num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=32)
 _hashes = iter(range(1, 1 << 40))

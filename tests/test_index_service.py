@@ -13,8 +13,9 @@ import pytest
 from helpers import IndexProcess, free_port, http_json, start_index_process
 from vllm_fixtures import FaultyPublisher, wait_for
 
-from kvtier.chunks import Tier
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.chunks import Tier
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.index.api import (
     ApplyStatus,
     ChunkOp,
@@ -24,10 +25,9 @@ from kvtier.index.api import (
     Registration,
 )
 from kvtier.index.client.grpc import GrpcIndexClient
+from kvtier.index.ingest.vllm_wire import BlockStored
 from kvtier.index.proto import index_pb2 as pb
 from kvtier.index.proto import index_pb2_grpc
-from kvtier.index.vllm_wire import BlockStored
-from kvtier.keys import Namespace, prompt_keys
 from kvtier.store.api.events import EventKind
 
 NS = Namespace(model="m", dtype="bf16", num_layers=4, num_kv_heads=2, head_size=64, chunk_tokens=16)

@@ -11,13 +11,13 @@ import numpy as np
 from helpers import RedisServer, StoreProcess, start_store_process
 from vllm_fixtures import wait_for
 
-from kvtier.chunks import Tier
-from kvtier.config import StoreConfig
-from kvtier.config_index import IndexConfig, StoreSource
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.chunks import Tier
+from kvtier.core.config import StoreConfig
+from kvtier.core.config.index import IndexConfig, StoreSource
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.index.api import LocationKind, LocationStatus, Query
-from kvtier.index.service import EmbeddedIndex
-from kvtier.keys import Namespace, prompt_keys
+from kvtier.index.server.service import EmbeddedIndex
 from kvtier.tiers import connect
 
 CHUNK = 16 << 10

@@ -1,5 +1,5 @@
-"""vLLM blocks -> canonical chunk keys (index/vllm_blocks.py), against the key spec and a model
-of vLLM's block pool."""
+"""vLLM blocks -> canonical chunk keys (index/ingest/vllm_blocks.py), against the key spec and a
+model of vLLM's block pool."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.chunks import Tier
+from kvtier.core.chunks import Tier
+from kvtier.core.keys import Namespace, prompt_keys, salt_digest
 from kvtier.index.api import ChunkOp
-from kvtier.index.vllm_blocks import BlockMapper
-from kvtier.index.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
-from kvtier.keys import Namespace, prompt_keys, salt_digest
+from kvtier.index.ingest.vllm_blocks import BlockMapper
+from kvtier.index.ingest.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.store.api.events import EventKind
 
 

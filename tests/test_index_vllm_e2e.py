@@ -13,10 +13,10 @@ import pytest
 from helpers import IndexProcess, free_port, start_index_process
 from vllm_fixtures import make_tiny_llama, tiny_llm, wait_for
 
-from kvtier.chunks import Tier
+from kvtier.core.chunks import Tier
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.index.api import Query
 from kvtier.index.client.grpc import GrpcIndexClient
-from kvtier.keys import Namespace, prompt_keys
 
 pytestmark = pytest.mark.vllm
 

@@ -21,12 +21,12 @@ from vllm.distributed.kv_events import (
 )
 from vllm_fixtures import FaultyPublisher, wait_for
 
-from kvtier.chunks import Tier
-from kvtier.config_index import IndexConfig, VllmSource
+from kvtier.core.chunks import Tier
+from kvtier.core.config.index import IndexConfig, VllmSource
+from kvtier.core.keys import Namespace
 from kvtier.index.api import LocationStatus, Query
-from kvtier.index.redis_backend import RedisIndex
-from kvtier.index.service import EmbeddedIndex
-from kvtier.keys import Namespace
+from kvtier.index.backends.redis import RedisIndex
+from kvtier.index.server.service import EmbeddedIndex
 
 BS = 16
 NS = Namespace(

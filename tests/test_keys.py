@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvtier.connector.fingerprint import config_fingerprint
-from kvtier.keys import (
+from kvtier.core.keys import (
     KEY_BYTES,
     Namespace,
     PromptKeyer,
@@ -76,7 +76,7 @@ def test_keys_are_truncated_sha256_of_the_spec_formula() -> None:
 
 def test_independent_of_python_hash_seed() -> None:
     code = (
-        "from kvtier.keys import Namespace, prompt_keys;"
+        "from kvtier.core.keys import Namespace, prompt_keys;"
         "ns = Namespace(model='m', dtype='f', num_layers=1, num_kv_heads=1, head_size=1);"
         "print(prompt_keys(ns, list(range(1000)))[-1].hex())"
     )

@@ -16,7 +16,7 @@ import pytest
 import torch
 from gpu.kv_rig import KvRig
 
-from kvtier.bench import kv_layouts
+from kvtier.bench.micro import kv_layouts
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import ChunkCopy
 from kvtier.connector.paged_kv import PagedKV, PoolView, block_runs

@@ -1,7 +1,7 @@
 """vLLM 0.32's KV cache layouts, as its CUDA backends get them, through the worker's copies.
 
 Three promises, on CPU tensors with exactly the strides a GPU gets:
-- ``kvtier.bench.kv_layouts`` (the mirror tests/gpu and ``kvtier bench kv-copy --device cuda``
+- ``kvtier.bench.micro.kv_layouts`` (the mirror tests/gpu and ``kvtier bench kv-copy --device cuda``
   use where vLLM cannot be installed) builds the same views as vLLM's own allocation code;
 - the worker saves and loads every block-compact layout byte-exactly (the old ``page_rows``
   refused vLLM's CUDA default, LBNHC, at ``register_kv_caches``) and refuses, with the way
@@ -24,7 +24,7 @@ import pytest
 import torch
 from gpu.kv_rig import KvRig, round_trip
 
-from kvtier.bench import kv_layouts
+from kvtier.bench.micro import kv_layouts
 from kvtier.connector import cuda_copy, paged_kv
 from kvtier.connector import worker as worker_module
 from kvtier.connector.paged_kv import UnsupportedLayout
@@ -211,7 +211,7 @@ def test_the_copy_path_imports_no_other_vllm_module() -> None:
     worker, the copies, the GPU tests' rig and ``kvtier bench kv-copy`` must not need one."""
     code = (
         "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
-        "import kvtier.connector.worker, kvtier.connector.paged_kv, kvtier.bench.kv_copy\n"
+        "import kvtier.connector.worker, kvtier.connector.paged_kv, kvtier.bench.micro.kv_copy\n"
         "import gpu.kv_rig, vllm\n"
         "from kvtier.cli import main\n"
         "assert vllm.__file__.startswith(sys.argv[1]), vllm.__file__\n"

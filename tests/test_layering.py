@@ -18,60 +18,57 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOTS = {"kvtier.cli", "kvtier.__main__"}
+ROOTS = {"kvtier.cli", "kvtier.__main__", "kvtier.setup"}
+NOT_PRODUCT = {"tests", "scripts", "docs", "docker", "build"}
 CORE = "core"
 
 # Imports that break the rule on purpose, each with its reason.
 EXCEPTIONS = {
     # embedded mode: the store / index run in the caller's process behind the same interface
     ("kvtier.store.client", "kvtier.store.node"),
-    ("kvtier.index.client", "kvtier.index.service"),
-    # deprecated alias (kvtier.store.service.connect -> kvtier.tiers.connect)
-    ("kvtier.store.service", "kvtier.tiers"),
+    ("kvtier.index.client", "kvtier.index.server.service"),
 }
 
 
 def modules() -> dict[str, Path]:
-    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-dir"
-    ]
-    folders = {folder: package for package, folder in mapping.items()}
+    """Every product module by its import name: the repository root is ``kvtier``, so a file's
+    path is its name (``store/state/core.py`` is ``kvtier.store.state.core``)."""
     out = {}
-    for folder, package in folders.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            rel = path.relative_to(ROOT / folder).with_suffix("")
-            if rel.parts and rel.parts[0] in {f.split("/")[0] for f in folders if f != folder}:
-                continue
-            parts = [p for p in rel.parts if p != "__init__"]
-            name = ".".join([package, *parts])
-            if "_pb2" not in name:
-                out[name] = path
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        if rel.parts[0] in NOT_PRODUCT or rel.parts[0].startswith(".") or "_pb2" in rel.name:
+            continue
+        parts = [p for p in rel.parts if p != "__init__"]
+        out[".".join(["kvtier", *parts])] = path
     return out
 
 
 def layer(module: str) -> str:
     if module in ROOTS:
         return "root"
+    if module == "kvtier" or module == "kvtier.core" or module.startswith("kvtier.core."):
+        return CORE
     for service in ("store", "index"):
         prefix = f"kvtier.{service}"
         if module == prefix or module.startswith(prefix + "."):
             rest = module[len(prefix) + 1 :].split(".")[0]
             return f"{service}.api" if rest in ("api", "client", "proto") else f"{service}.server"
-    for top in ("bench", "connector", "router", "tiers"):
-        if module == f"kvtier.{top}" or module.startswith(f"kvtier.{top}."):
-            return top
-    return CORE
+    top = module.split(".")[1]
+    assert top in ALLOWED, f"{module}: give the new top-level package a layer here"
+    return top
 
 
 ALLOWED = {
     "root": None,  # anything
     "bench": None,
+    "demo": None,  # a composition root: a cluster of real processes
+    "testing": None,  # launches anything; nothing in the serving path imports it
+    "traces": {"traces", "router", "store.server", CORE},  # the simulator reuses the policies
     "connector": {"connector", "tiers", "store.api", "index.api", CORE},
     "router": {"router", "index.api", CORE},
     "tiers": {"tiers", "store.api", "index.api", CORE},
@@ -110,7 +107,7 @@ def known(name: str, all_modules: dict[str, Path]) -> str | None:
 
 def test_one_dependency_direction() -> None:
     all_modules = modules()
-    assert "kvtier.connector.scheduler" in all_modules and "kvtier.keys" in all_modules
+    assert "kvtier.connector.scheduler" in all_modules and "kvtier.core.keys" in all_modules
     violations = []
     for module, path in sorted(all_modules.items()):
         allowed = ALLOWED[layer(module)]
@@ -133,14 +130,15 @@ def test_the_vllm_process_imports_no_server_machinery(embedded: bool, tmp_path: 
     code = f"""
 import sys
 import kvtier.connector.vllm_connector, kvtier.connector.worker
-from kvtier.config import StoreConfig
+from kvtier.core.config import StoreConfig
 from kvtier.tiers import connect
 if {embedded}:
     tier = connect(StoreConfig(run_dir={str(tmp_path)!r}, pool={{"capacity": 1 << 20}}))
     tier.close()
 bad = sorted(m for m in sys.modules if m in (
-    "kvtier.http", "kvtier.store.http", "kvtier.index.http", "kvtier.store.grpc_server",
-    "kvtier.index.grpc_server", "kvtier.store.service", "kvtier.index.service", "kvtier.bench"))
+    "kvtier.core.http", "kvtier.store.server.http", "kvtier.index.server.http",
+    "kvtier.store.server.grpc", "kvtier.index.server.grpc", "kvtier.store.server.service",
+    "kvtier.index.server.service", "kvtier.bench", "kvtier.testing"))
 print(",".join(bad))
 """
     out = subprocess.run(

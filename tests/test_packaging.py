@@ -6,31 +6,36 @@ from __future__ import annotations
 import filecmp
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+NOT_PRODUCT = {"tests", "scripts", "docs", "docker", "build"}
 
 
 def _package_folders() -> dict[str, Path]:
-    mapping = PYPROJECT["tool"]["setuptools"]["package-dir"]
-    found = {}
-    for package, folder in mapping.items():
-        base = ROOT / folder
-        for init in base.rglob("__init__.py"):
-            rel = init.parent.relative_to(base)
-            name = ".".join([package, *rel.parts]) if rel.parts else package
-            found[name] = init.parent
+    """The product's packages by import name: the root is ``kvtier``, each folder below it
+    ``kvtier.<path>``."""
+    found = {"kvtier": ROOT}
+    for init in ROOT.rglob("__init__.py"):
+        rel = init.parent.relative_to(ROOT)
+        if rel.parts and rel.parts[0] not in NOT_PRODUCT and not rel.parts[0].startswith("."):
+            found[".".join(["kvtier", *rel.parts])] = init.parent
     return found
 
 
-def test_every_package_folder_is_listed() -> None:
-    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
-    assert set(_package_folders()) == listed
+def test_every_product_folder_is_a_package() -> None:
+    """A folder of Python modules without ``__init__.py`` would be left out of the wheel."""
+    missing = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.parent.relative_to(ROOT)
+        if rel.parts and (rel.parts[0] in NOT_PRODUCT or rel.parts[0].startswith(".")):
+            continue
+        if "__pycache__" not in rel.parts and not (path.parent / "__init__.py").exists():
+            missing.append(str(rel))
+    assert not missing, f"folders without __init__.py: {sorted(set(missing))}"
 
 
 def test_wheel_holds_the_namespace(tmp_path: Path) -> None:
@@ -54,7 +59,11 @@ def test_wheel_holds_the_namespace(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for package, folder in _package_folders().items():
         for module in folder.glob("*.py"):
+            if package == "kvtier" and module.name == "setup.py":
+                assert "kvtier/setup.py" not in names
+                continue
             assert f"{package.replace('.', '/')}/{module.name}" in names
+    assert not any(n.startswith(("kvtier/tests/", "kvtier/scripts/")) for n in names)
     assert "kvtier/store/proto/store.proto" in names
     assert "kvtier/index/proto/index.proto" in names
     assert "kvtier/py.typed" in names

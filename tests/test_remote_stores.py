@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 from helpers import StoreProcess, start_store_process
 
-from kvtier.bench.ports import free_port
-from kvtier.chunks import LookupStatus
-from kvtier.keys import Namespace, prompt_keys
+from kvtier.core.chunks import LookupStatus
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.events import EventKind
 from kvtier.store.api.remote import FetchStatus
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.store.client.shm import SharedSegment, checksum_views
 from kvtier.store.node import cleanup_stale_segments
+from kvtier.testing.ports import free_port
 from kvtier.tiers.cpu import CpuTier
 
 pytestmark = pytest.mark.remote

@@ -12,16 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvtier.config import StoreConfig, load_config
-from kvtier.config_store import RemoteConfig
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace, prompt_keys
-from kvtier.store.core import StoreCore
+from kvtier.core.config import StoreConfig, load_config
+from kvtier.core.config.store import RemoteConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.node import NodeStore
 from kvtier.store.remote.demotion import Demoter
 from kvtier.store.remote.mooncake import engine_environment
 from kvtier.store.remote.peers import PeerClients
 from kvtier.store.remote.transport import RangeError, plan_ops, split_ops
+from kvtier.store.state.core import StoreCore
 
 
 def _cut(total: int, cuts: list[int], base: int, gap: int) -> list[tuple[int, int]]:
@@ -146,9 +146,9 @@ class Block:
         if name == "mooncake" or name.startswith("mooncake."):
             raise ImportError("no mooncake here")
 sys.meta_path.insert(0, Block())
-from kvtier.config import StoreConfig
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.store.core import StoreCore
+from kvtier.core.config import StoreConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.store.state.core import StoreCore
 from kvtier.store.node import NodeStore
 from kvtier.store.remote.demotion import Demoter
 run_dir = {str(tmp_path)!r}

@@ -1,5 +1,5 @@
 """Routing policies (kvtier.router.policies): each formula against hand-computed choices and
-scores, and the simulator's adapter (bench/trace/routing.py) that feeds them."""
+scores, and the simulator's adapter (traces/routing.py) that feeds them."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ from collections import Counter
 
 import pytest
 
-from kvtier.bench.trace.formats import TraceRequest
-from kvtier.bench.trace.routing import SimRouter, coverage_from_blocks
-from kvtier.bench.trace.simulate import ClusterSim, ClusterSpec, simulate
 from kvtier.router.policies import (
     DEFAULT_KAPPA,
     POLICIES,
@@ -28,6 +25,9 @@ from kvtier.router.policies import (
     TierCosts,
     make_policy,
 )
+from kvtier.traces.formats import TraceRequest
+from kvtier.traces.routing import SimRouter, coverage_from_blocks
+from kvtier.traces.simulate import ClusterSim, ClusterSpec, simulate
 
 
 def cand(

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from helpers import http_json, start_index_process, start_store_process
 
-from kvtier.config import StoreConfig
-from kvtier.keys import Namespace, prompt_keys
+from kvtier.core.config import StoreConfig
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.tiers import connect
 
 NS = Namespace(

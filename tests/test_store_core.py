@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.chunks import LookupStatus
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace, prompt_keys
+from kvtier.core.chunks import LookupStatus
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.events import EventGap, EventKind
 from kvtier.store.api.types import AllocStatus, LeaseStatus
-from kvtier.store.core import StoreCore
+from kvtier.store.state.core import StoreCore
 
 PAGE = 4096
 CHUNK = 3 * PAGE  # three pages per chunk

@@ -25,20 +25,20 @@ import grpc
 import pytest
 from helpers import start_store_process
 
-from kvtier.config import StoreConfig
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace, prompt_keys, salt_digest
-from kvtier.rpc import open_channel
+from kvtier.core.config import StoreConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys, salt_digest
+from kvtier.core.rpc import open_channel
 from kvtier.store.api.types import AllocStatus, LeaseStatus
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.store.client.shm import SHM_DIR
-from kvtier.store.core import StoreCore
-from kvtier.store.limits import StoreLimits
-from kvtier.store.metrics import StoreCollector
 from kvtier.store.node import NodeStore, cleanup_stale_segments
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
-from kvtier.store.quotas import TenantLimits
+from kvtier.store.server.metrics import StoreCollector
+from kvtier.store.state.core import StoreCore
+from kvtier.store.state.limits import StoreLimits
+from kvtier.store.state.quotas import TenantLimits
 
 PAGE = 4096
 SALTS = {"a": "salt-of-tenant-a", "b": "salt-of-tenant-b"}

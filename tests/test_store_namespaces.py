@@ -18,15 +18,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.chunks import LookupStatus
-from kvtier.config import StoreConfig
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace, prompt_keys, salt_digest
+from kvtier.core.chunks import LookupStatus
+from kvtier.core.config import StoreConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys, salt_digest
 from kvtier.store.api.types import AllocStatus, LeaseStatus
-from kvtier.store.core import StoreCore
-from kvtier.store.limits import StoreLimits
-from kvtier.store.metrics import StoreCollector
 from kvtier.store.node import NodeStore
+from kvtier.store.server.metrics import StoreCollector
+from kvtier.store.state.core import StoreCore
+from kvtier.store.state.limits import StoreLimits
 from kvtier.tiers.cpu import CpuTier
 
 PAGE = 4096

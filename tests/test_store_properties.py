@@ -17,12 +17,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvtier.errors import KvtierError
-from kvtier.keys import Namespace, prompt_keys
+from kvtier.core.errors import KvtierError
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.types import AllocStatus, LeaseStatus
-from kvtier.store.core import StoreCore
-from kvtier.store.entries import ChunkState
 from kvtier.store.pool.allocator import PageAllocator
+from kvtier.store.state.core import StoreCore
+from kvtier.store.state.entries import ChunkState
 
 PAGE = 4096
 POOL_PAGES = 16

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from test_store_core import CHUNK, NS, PAGE, FakeClock, keys, make_core, put
 
-from kvtier.chunks import LookupStatus
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.chunks import LookupStatus
+from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.store.api.types import AllocStatus
 
 

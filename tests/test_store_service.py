@@ -23,16 +23,16 @@ from helpers import (
     start_store_process,
 )
 
-from kvtier.bench.ports import free_port
-from kvtier.chunks import LookupStatus
-from kvtier.config import StoreConfig
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace, prompt_keys
+from kvtier.core.chunks import LookupStatus
+from kvtier.core.config import StoreConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.events import EventGap, EventKind
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.store.client.shm import segment_exists
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
+from kvtier.testing.ports import free_port
 from kvtier.tiers import connect
 
 CHUNK = 256 << 10

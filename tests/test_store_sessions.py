@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from helpers import StoreProcess, start_store_process
 
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace, prompt_keys
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.types import AllocStatus, LeaseStatus
 from kvtier.store.client.grpc import GrpcStoreClient
-from kvtier.store.core import StoreCore
-from kvtier.store.limits import StoreLimits
+from kvtier.store.state.core import StoreCore
+from kvtier.store.state.limits import StoreLimits
 from kvtier.tiers.cpu import CpuTier
 
 PAGE = 4096
@@ -276,7 +276,7 @@ def test_grpc_client_runs_its_session(store: StoreProcess) -> None:
 CHILD = textwrap.dedent(
     """
     import sys, time
-    from kvtier.keys import Namespace
+    from kvtier.core.keys import Namespace
     from kvtier.store.client.grpc import GrpcStoreClient
 
     address, ns_json, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from trace_helpers import SHARED_TRACE, req, write_trace
 
-from kvtier.bench.trace.analyze import analyze, analyze_file
-from kvtier.bench.trace.capacity import capacity_curve
-from kvtier.bench.trace.formats import read_trace
+from kvtier.traces.analyze import analyze, analyze_file
+from kvtier.traces.capacity import capacity_curve
+from kvtier.traces.formats import read_trace
 
 
 @pytest.fixture(scope="module")

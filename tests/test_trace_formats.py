@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from trace_helpers import SHARED_TRACE, req, write_trace
 
-from kvtier.bench.trace.formats import (
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.traces.formats import (
     TraceFormat,
     TraceReader,
     TraceRequest,
     TraceWriter,
     read_trace,
 )
-from kvtier.errors import ErrorCode, KvtierError
 
 
 def test_reads_the_shared_trace_as_mooncake() -> None:

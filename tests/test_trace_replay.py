@@ -17,8 +17,9 @@ import pytest
 from trace_helpers import req, shared_lines, write_trace
 from trace_vllm_server import BLOCK_SIZE, SPECIAL_TOKENS, VOCAB_SIZE, VllmServer, build_tiny_model
 
-from kvtier.bench.trace.prompts import PromptBuilder, PromptSpec, classify, parse_classes
-from kvtier.bench.trace.replay import (
+from kvtier.core.errors import KvtierError
+from kvtier.traces.prompts import PromptBuilder, PromptSpec, classify, parse_classes
+from kvtier.traces.replay import (
     ReplayOptions,
     ReplayResult,
     ResultSink,
@@ -26,8 +27,7 @@ from kvtier.bench.trace.replay import (
     read_results,
     replay_trace,
 )
-from kvtier.bench.trace.summary import summarize
-from kvtier.errors import KvtierError
+from kvtier.traces.summary import summarize
 
 # -- prompts -------------------------------------------------------------------------------
 

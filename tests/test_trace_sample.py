@@ -10,12 +10,12 @@ import pytest
 from trace_helpers import SHARED_TRACE, req, write_trace
 from typer.testing import CliRunner
 
-from kvtier.bench.trace.analyze import analyze_file
-from kvtier.bench.trace.formats import TraceRequest, read_trace
-from kvtier.bench.trace.sample import MIN_THINNED_GROUP, SampleOptions, sample_file
-from kvtier.bench.trace.sessions import SessionTracker
 from kvtier.cli import app
-from kvtier.errors import KvtierError
+from kvtier.core.errors import KvtierError
+from kvtier.traces.analyze import analyze_file
+from kvtier.traces.formats import TraceRequest, read_trace
+from kvtier.traces.sample import MIN_THINNED_GROUP, SampleOptions, sample_file
+from kvtier.traces.sessions import SessionTracker
 
 
 def _derived_sessions() -> dict[str, list[TraceRequest]]:

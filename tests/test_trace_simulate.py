@@ -9,13 +9,13 @@ import pytest
 from trace_helpers import SHARED_TRACE, req, write_trace
 from typer.testing import CliRunner
 
-from kvtier.bench.trace.formats import TraceRequest, read_trace
-from kvtier.bench.trace.simcache import BlockCache
-from kvtier.bench.trace.simulate import TIERS, ClusterSim, ClusterSpec, simulate, sweep_specs
 from kvtier.cli import app
-from kvtier.keys import Namespace
+from kvtier.core.keys import Namespace
 from kvtier.store.api.types import AllocStatus
-from kvtier.store.core import StoreCore
+from kvtier.store.state.core import StoreCore
+from kvtier.traces.formats import TraceRequest, read_trace
+from kvtier.traces.simcache import BlockCache
+from kvtier.traces.simulate import TIERS, ClusterSim, ClusterSpec, simulate, sweep_specs
 
 PAGE = 4096
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 from gpu.kv_rig import KvRig
 
-from kvtier.bench import kv_layouts
+from kvtier.bench.micro import kv_layouts
 from kvtier.connector.metadata import KvtierMetadata, SegmentRef
 from kvtier.store.client.shm import SharedSegment, remove_segment
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.bench.models import make_tiny_llama
-from kvtier.bench.ports import free_port
-from kvtier.bench.vllm_server import MODEL_NAME, VllmServer
+from kvtier.testing.models import make_tiny_llama
+from kvtier.testing.ports import free_port
+from kvtier.testing.vllm_server import MODEL_NAME, VllmServer
 
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = 4  # <unk> <s> </s> <pad>

@@ -2,7 +2,7 @@
 publisher that can inject the faults a healthy engine never shows on demand.
 
 - ``make_tiny_llama(path)``: a 2-layer random Llama + offline tokenizer (~2 MB, ~5 s), and
-  ``vllm_env()``: the environment vLLM runs in (both from ``kvtier.bench.models``).
+  ``vllm_env()``: the environment vLLM runs in (both from ``kvtier.testing.models``).
 - ``tiny_llm(model, **overrides)``: ``vllm.LLM`` in this process with settings that work on
   the CPU build (see /work/notes/vllm.md §6); set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` first.
 - ``FaultyPublisher``: vLLM's wire format (PUB ``[topic, seq, payload]`` + ROUTER replay),
@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvtier.bench.models import VLLM_ENV, make_tiny_llama, vllm_env
+from kvtier.testing.models import VLLM_ENV, make_tiny_llama, vllm_env
 
 __all__ = ["VLLM_ENV", "FaultyPublisher", "make_tiny_llama", "tiny_llm", "vllm_env", "wait_for"]
 

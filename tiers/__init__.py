@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.config import KvtierConfig
-from kvtier.config_store import StoreConfig
-from kvtier.rpc import ClientAuth
+from kvtier.core.config import KvtierConfig
+from kvtier.core.config.store import StoreConfig
+from kvtier.core.rpc import ClientAuth
 from kvtier.store.client import connect as connect_store
 from kvtier.tiers.base import PoolTier, StagingTier
 from kvtier.tiers.cpu import CpuTier

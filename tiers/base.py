@@ -8,7 +8,7 @@ the next request on the node hits locally. Adding a medium is one ``StagingTier`
 the store backend that serves it); the connector's lookup walks the configured staging tiers
 in order and names none of them.
 
-Vocabulary (``Tier``, ``ChunkLocation``, ``SegmentRef``, ...) lives in ``kvtier.chunks``; the
+Vocabulary (``Tier``, ``ChunkLocation``, ``SegmentRef``, ...) lives in ``kvtier.core.chunks``; the
 results come from the store's API (``kvtier.store.api``).
 """
 
@@ -19,8 +19,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.chunks import SegmentRef
-from kvtier.keys import Namespace
+from kvtier.core.chunks import SegmentRef
+from kvtier.core.keys import Namespace
 from kvtier.store.api import StoreInfo
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult
 

@@ -14,9 +14,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from kvtier.chunks import SegmentRef
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace
+from kvtier.core.chunks import SegmentRef
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace
 from kvtier.store.api import StoreClient, StoreInfo
 from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.chunks import ChunkLocation, LookupStatus
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.chunks import ChunkLocation, LookupStatus
+from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.store.api.types import AllocStatus, LeaseStatus
 from kvtier.store.client.shm import SharedSegment, checksum_views
 from kvtier.tiers.base import PoolTier

@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvtier.chunks import Tier
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.chunks import Tier
+from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.index.api import ChunkIndex, ChunkOp, LocationKind, Query
 from kvtier.store.api.events import EventKind
 from kvtier.store.api.remote import FetchStatus

@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvtier.bench.ports import free_port
+from kvtier.testing.ports import free_port
 
 PRELOAD = "kvtier.bench.peers.lmcache_compat"  # must be imported before vLLM in-process
 

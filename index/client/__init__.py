@@ -4,9 +4,9 @@ wire codec, the announcer (how a store or vLLM instance makes the index follow i
 
 from __future__ import annotations
 
-from kvtier.config_index import IndexConfig
+from kvtier.core.config.index import IndexConfig
+from kvtier.core.rpc import ClientAuth
 from kvtier.index.api import ChunkIndex
-from kvtier.rpc import ClientAuth
 
 
 def connect(config: IndexConfig, auth: ClientAuth | None = None) -> ChunkIndex:
@@ -16,6 +16,6 @@ def connect(config: IndexConfig, auth: ClientAuth | None = None) -> ChunkIndex:
         from kvtier.index.client.grpc import GrpcIndexClient
 
         return GrpcIndexClient(config.address, auth=auth)
-    from kvtier.index.service import EmbeddedIndex  # embedded: the index itself, here
+    from kvtier.index.server.service import EmbeddedIndex  # embedded: the index itself, here
 
     return EmbeddedIndex(config)

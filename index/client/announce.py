@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvtier.errors import KvtierError
+from kvtier.core.errors import KvtierError
+from kvtier.core.keys import Namespace
+from kvtier.core.rpc import ClientAuth
 from kvtier.index.api import LocationInfo, LocationStatus, Registration
-from kvtier.keys import Namespace
-from kvtier.rpc import ClientAuth
 
 log = logging.getLogger(__name__)
 

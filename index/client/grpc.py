@@ -16,9 +16,10 @@ from typing import Any
 
 import grpc
 
-from kvtier import rpc
-from kvtier.chunks import Tier
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core import rpc
+from kvtier.core.chunks import Tier
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, chunk_keys, pack_keys
 from kvtier.index.api import (
     ApplyStatus,
     ChunkIndex,
@@ -33,7 +34,6 @@ from kvtier.index.api import (
 from kvtier.index.client import wire
 from kvtier.index.proto import index_pb2 as pb
 from kvtier.index.proto import index_pb2_grpc
-from kvtier.keys import Namespace, chunk_keys, pack_keys
 
 
 class GrpcIndexClient(ChunkIndex):

@@ -3,8 +3,9 @@ shared by the gRPC server and client so both sides agree on one encoding."""
 
 from __future__ import annotations
 
-from kvtier.chunks import Tier
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.chunks import Tier
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import pack_keys, unpack_keys
 from kvtier.index.api import (
     INDEX_TIERS,
     ChunkOp,
@@ -19,7 +20,6 @@ from kvtier.index.api import (
     Registration,
 )
 from kvtier.index.proto import index_pb2 as pb
-from kvtier.keys import pack_keys, unpack_keys
 from kvtier.store.api.events import EventKind
 
 

@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace
 from kvtier.store.api.events import EventBatch, EventGap
 from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot

@@ -1,6 +1,6 @@
 """The store's event stream as consumers see it: what entered and left the pool, in
 sequence-numbered batches, or the gap a consumer that fell behind must recover from (with a
-snapshot). The log itself is ``kvtier.store.eventlog``."""
+snapshot). The log itself is ``kvtier.store.state.eventlog``."""
 
 from __future__ import annotations
 

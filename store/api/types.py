@@ -7,9 +7,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.chunks import ChunkLocation, LookupStatus
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import KEY_BYTES
+from kvtier.core.chunks import ChunkLocation, LookupStatus
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import KEY_BYTES
 
 
 class AllocStatus(enum.StrEnum):

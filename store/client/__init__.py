@@ -3,8 +3,8 @@ or gRPC server): the gRPC client, the wire codec, shared-memory mapping, and ``c
 
 from __future__ import annotations
 
-from kvtier.config_store import StoreConfig
-from kvtier.rpc import ClientAuth
+from kvtier.core.config.store import StoreConfig
+from kvtier.core.rpc import ClientAuth
 from kvtier.store.api import StoreClient
 
 

@@ -28,11 +28,11 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvtier import rpc
-from kvtier.auth import Authenticator, Principal
-from kvtier.config_auth import Role
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace, pack_keys, unpack_keys
+from kvtier.core import rpc
+from kvtier.core.auth import Authenticator, Principal
+from kvtier.core.config.auth import Role
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, pack_keys, unpack_keys
 from kvtier.store.api import StoreClient, StoreInfo
 from kvtier.store.api.events import EventBatch, EventGap
 from kvtier.store.api.remote import FetchResult
@@ -414,7 +414,7 @@ def verify_store(
     address: str, auth: rpc.ClientAuth | None, verifier: Authenticator, timeout_s: float
 ) -> Principal | None:
     """Check that the store at ``address`` holds a node credential before this process
-    presents its own token there: a challenge answered with ``kvtier.auth.prove``, sent
+    presents its own token there: a challenge answered with ``kvtier.core.auth.prove``, sent
     with no token. Returns the proved node credential (None: nothing secret to present, or
     the node's Unix socket). Raises PERMISSION_DENIED when the endpoint cannot prove one,
     UNAVAILABLE when it does not answer.

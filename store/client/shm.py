@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvtier.chunks import Extent
+from kvtier.core.chunks import Extent
 
 SHM_DIR = Path("/dev/shm")
 

@@ -6,8 +6,8 @@ Shared by the gRPC server and client so both sides agree on one encoding: keys p
 
 from __future__ import annotations
 
-from kvtier.chunks import ChunkLocation, LookupStatus
-from kvtier.keys import pack_keys, unpack_keys
+from kvtier.core.chunks import ChunkLocation, LookupStatus
+from kvtier.core.keys import pack_keys, unpack_keys
 from kvtier.store.api.events import EventBatch, EventKind, StoreEvent
 from kvtier.store.api.remote import FetchResult, FetchStatus
 from kvtier.store.api.types import AllocStatus, LeaseStatus

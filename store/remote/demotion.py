@@ -18,10 +18,10 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvtier.config_store import RemoteConfig
-from kvtier.errors import KvtierError
-from kvtier.store.core import StoreCore
+from kvtier.core.config.store import RemoteConfig
+from kvtier.core.errors import KvtierError
 from kvtier.store.remote.peers import PeerClients
+from kvtier.store.state.core import StoreCore
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from kvtier.errors import KvtierError
+from kvtier.core.errors import KvtierError
+from kvtier.core.rpc import ClientAuth
 from kvtier.index.api import LocationKind
-from kvtier.rpc import ClientAuth
 
 log = logging.getLogger(__name__)
 

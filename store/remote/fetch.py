@@ -31,15 +31,14 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvtier.chunks import ChunkLocation, LookupStatus
-from kvtier.config_store import RemoteConfig
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace
+from kvtier.core.chunks import ChunkLocation, LookupStatus
+from kvtier.core.config.store import RemoteConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace
 from kvtier.store.api.remote import FetchResult, FetchStatus
 from kvtier.store.api.types import AllocStatus, LeaseStatus, LookupResult
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.store.client.shm import SharedSegment, checksum_views
-from kvtier.store.core import StoreCore
 from kvtier.store.remote.peers import NOT_A_PEER, PeerClients, PeerUnavailable
 from kvtier.store.remote.transport import (
     PeerPool,
@@ -50,6 +49,7 @@ from kvtier.store.remote.transport import (
     plan_ops,
     split_ops,
 )
+from kvtier.store.state.core import StoreCore
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from kvtier.config_store import RemoteConfig
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.config.store import RemoteConfig
+from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.store.remote.transport import PeerPool, ReadOp, ReadResult, TransferStatus, Transport
 
 log = logging.getLogger(__name__)

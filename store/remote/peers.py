@@ -21,11 +21,11 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvtier.auth import Authenticator
-from kvtier.config_auth import AuthConfig
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace
-from kvtier.rpc import ClientAuth
+from kvtier.core.auth import Authenticator
+from kvtier.core.config.auth import AuthConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace
+from kvtier.core.rpc import ClientAuth
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.store.remote.directory import PeerDirectory
 

@@ -12,18 +12,18 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 
-from kvtier.auth import Authenticator
-from kvtier.config_store import RemoteConfig
-from kvtier.rpc import ClientAuth
+from kvtier.core.auth import Authenticator
+from kvtier.core.config.store import RemoteConfig
+from kvtier.core.rpc import ClientAuth
 from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import LookupResult
 from kvtier.store.client.shm import SharedSegment
-from kvtier.store.core import StoreCore
 from kvtier.store.remote.demotion import Demoter
 from kvtier.store.remote.directory import IndexPeers, PeerDirectory
 from kvtier.store.remote.fetch import Fetcher
 from kvtier.store.remote.peers import PeerClients
 from kvtier.store.remote.transport import Transport
+from kvtier.store.state.core import StoreCore
 
 
 def make_transport(config: RemoteConfig) -> Transport:

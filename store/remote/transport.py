@@ -19,7 +19,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.chunks import Extent
+from kvtier.core.chunks import Extent
 
 
 class TransferStatus(enum.StrEnum):

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.bench import kv_layouts
-from kvtier.config_connector import ConnectorConfig
+from kvtier.bench.micro import kv_layouts
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import (
     ChunkCopy,
@@ -30,6 +29,7 @@ from kvtier.connector.metadata import (
     SegmentRef,
 )
 from kvtier.connector.worker import ConnectorWorker
+from kvtier.core.config.connector import ConnectorConfig
 from kvtier.store.client.shm import SharedSegment, checksum_views
 
 _serial = itertools.count()

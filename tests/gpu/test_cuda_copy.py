@@ -24,7 +24,7 @@ import pytest
 import torch
 from gpu.kv_rig import KvRig, round_trip, same_bytes
 
-from kvtier.bench import kv_layouts
+from kvtier.bench.micro import kv_layouts
 from kvtier.connector import cuda_copy, paged_kv
 from kvtier.connector.streams import DeviceOrdering
 

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvtier.http import BODY_LIMIT, HttpServer
+from kvtier.core.http import BODY_LIMIT, HttpServer
 
 STREAM_CHUNKS = [
     b'data: {"choices": [{"text": "a"}]}\n\n',

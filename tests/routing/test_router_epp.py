@@ -28,9 +28,9 @@ from google.protobuf import json_format, struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from routing.stub_backend import StubBackend
 
-from kvtier.auth import Authenticator
-from kvtier.config_auth import AuthConfig
-from kvtier.config_router import RouterConfig
+from kvtier.core.auth import Authenticator
+from kvtier.core.config.auth import AuthConfig
+from kvtier.core.config.router import RouterConfig
 from kvtier.router.epp import DESTINATION, Epp, EppServer, endpoint_of
 
 BODY = {"model": "stub", "prompt": "hello there", "max_tokens": 3}

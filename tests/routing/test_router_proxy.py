@@ -12,10 +12,10 @@ import httpx
 import pytest
 from routing.stub_backend import STREAM_CHUNKS, StubBackend
 
-from kvtier.auth import Authenticator
-from kvtier.config_auth import AuthConfig
-from kvtier.config_router import RouterConfig
-from kvtier.http import HttpServer
+from kvtier.core.auth import Authenticator
+from kvtier.core.config.auth import AuthConfig
+from kvtier.core.config.router import RouterConfig
+from kvtier.core.http import HttpServer
 from kvtier.router.proxy import Proxy
 from kvtier.router.service import build
 

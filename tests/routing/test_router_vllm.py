@@ -19,17 +19,17 @@ import httpx
 import pytest
 from helpers import start_index_process
 
-from kvtier.bench.ports import free_port
-from kvtier.bench.vllm_driver import kvtier_transfer_config
-from kvtier.bench.vllm_server import MODEL_NAME, VllmServer
-from kvtier.config import IndexConfig
-from kvtier.config_router import RouterConfig
-from kvtier.http import HttpServer
+from kvtier.core.config import IndexConfig
+from kvtier.core.config.router import RouterConfig
+from kvtier.core.http import HttpServer
 from kvtier.index.client import connect as connect_index
 from kvtier.router.policies import POLICIES
 from kvtier.router.proxy import Proxy
 from kvtier.router.service import build
 from kvtier.router.tokenize import PromptTokenizer
+from kvtier.testing.ports import free_port
+from kvtier.testing.vllm_driver import kvtier_transfer_config
+from kvtier.testing.vllm_server import MODEL_NAME, VllmServer
 
 pytestmark = pytest.mark.vllm
 CHUNK = 64

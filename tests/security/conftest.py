@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from security.secure_env import TOKENS, SecureStore, auth_env
 
-from kvtier.bench.services import start_store
+from kvtier.testing.services import start_store
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from security.secure_env import SALTS, TOKENS, auth_env
 
-from kvtier.bench.services import Service, _start
-from kvtier.errors import KvtierError
+from kvtier.core.errors import KvtierError
+from kvtier.core.keys import Namespace, salt_digest
+from kvtier.core.rpc import ClientAuth
 from kvtier.index.client.grpc import GrpcIndexClient
-from kvtier.keys import Namespace, salt_digest
-from kvtier.rpc import ClientAuth
+from kvtier.testing.services import Service, _start
 
 
 def namespace(salt: str | None, model: str = "m") -> Namespace:

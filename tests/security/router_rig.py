@@ -15,10 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 from security.secure_env import credentials
 
-from kvtier.bench.services import Service, _start
+from kvtier.core.keys import Namespace
 from kvtier.index.api import LocationKind, Registration
 from kvtier.index.client.grpc import GrpcIndexClient
-from kvtier.keys import Namespace
+from kvtier.testing.services import Service, _start
 
 CLIENT_TOKEN = "client-token-0123456789"  # role client: may send requests through the router
 

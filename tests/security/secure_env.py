@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.bench.services import Service
+from kvtier.testing.services import Service
 
 TOKENS = {
     "admin": "admin-token-0123456789",

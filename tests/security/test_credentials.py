@@ -19,12 +19,12 @@ import pytest
 from security.certs import Authority
 from security.secure_env import TOKENS, SecureStore, auth_env, credentials
 
-from kvtier.bench.services import Service, kvtier_argv, start_store
-from kvtier.config_auth import TlsConfig
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace, prompt_keys
-from kvtier.rpc import ClientAuth, channel_options
+from kvtier.core.config.auth import TlsConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys
+from kvtier.core.rpc import ClientAuth, channel_options
 from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.testing.services import Service, kvtier_argv, start_store
 
 STORE = "/kvtier.store.v1.Store"
 

@@ -10,10 +10,10 @@ import grpc
 import pytest
 from security.secure_env import TOKENS, SecureStore, credentials
 
-from kvtier.auth import Authenticator
-from kvtier.config_auth import AuthConfig
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.rpc import ClientAuth
+from kvtier.core.auth import Authenticator
+from kvtier.core.config.auth import AuthConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.rpc import ClientAuth
 from kvtier.store.client.grpc import GrpcStoreClient, verify_store
 
 

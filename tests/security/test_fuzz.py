@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from security.secure_env import TOKENS, SecureStore, auth_env
 
-from kvtier.bench.services import Service, _start
+from kvtier.core.rpc import ClientAuth, open_channel
 from kvtier.index.proto import index_pb2
-from kvtier.rpc import ClientAuth, open_channel
 from kvtier.store.proto import store_pb2
+from kvtier.testing.services import Service, _start
 
 F = FieldDescriptor
 KEYISH = st.one_of(

@@ -29,11 +29,11 @@ from security.secure_env import TOKENS, auth_env, credentials
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvtier.auth import Authenticator, Permission, Principal
-from kvtier.bench.services import Service, start_store
-from kvtier.config_auth import AuthConfig, TlsConfig
-from kvtier.http import HttpGuard, HttpServer
+from kvtier.core.auth import Authenticator, Permission, Principal
+from kvtier.core.config.auth import AuthConfig, TlsConfig
+from kvtier.core.http import HttpGuard, HttpServer
 from kvtier.router.epp import endpoint_of
+from kvtier.testing.services import Service, start_store
 
 UNKNOWN_TOKEN = "unknown-token-0123456789"
 
@@ -247,7 +247,7 @@ def test_each_connection_is_judged_by_its_own_certificate(
 ) -> None:
     """Both uvicorn protocol classes: the identity belongs to the connection, kept across its
     requests (keep-alive), never seen by another connection's requests interleaved with them."""
-    monkeypatch.setattr("kvtier.http.AutoHTTPProtocol", protocol)
+    monkeypatch.setattr("kvtier.core.http.AutoHTTPProtocol", protocol)
     ca = Authority(tmp_path)
     cert, key = ca.server()
     tls = TlsConfig(cert_file=cert, key_file=key, ca_file=ca.cert_file)

@@ -12,7 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from security.secure_env import TOKENS, auth_env
 
-from kvtier.bench.services import Service, _start, start_store
+from kvtier.testing.services import Service, _start, start_store
 
 OPEN = {"/healthz", "/readyz", "/metrics"}
 

@@ -23,13 +23,13 @@ from security.secure_env import TOKENS, SecureStore, auth_env
 from security.test_endpoint_proof import _Recorder
 from vllm_fixtures import wait_for
 
-from kvtier.bench.services import Service, start_store
-from kvtier.chunks import Tier
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.chunks import Tier
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import prompt_keys
+from kvtier.core.rpc import ClientAuth
 from kvtier.index.api import Query
-from kvtier.keys import prompt_keys
-from kvtier.rpc import ClientAuth
 from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.testing.services import Service, start_store
 from kvtier.tiers.cpu import CpuTier
 
 DEADLINE = 60.0  # generous: the machine may be busy; nothing here asserts how fast

@@ -11,11 +11,11 @@ import pytest
 from security.index_rig import client, namespace, refused, rss_bytes, start_index, threads
 from vllm_fixtures import wait_for
 
-from kvtier.bench.ports import free_port
-from kvtier.bench.services import Service
-from kvtier.errors import ErrorCode
+from kvtier.core.errors import ErrorCode
 from kvtier.index.api import LocationKind, Registration
 from kvtier.index.proto import index_pb2 as pb
+from kvtier.testing.ports import free_port
+from kvtier.testing.services import Service
 
 MAX_FOLLOWERS = 10
 MAX_NAMESPACES = 40

@@ -30,14 +30,14 @@ from security.secure_env import SALTS, TOKENS, SecureStore, auth_env, credential
 from security.test_endpoint_proof import _Recorder
 from vllm_fixtures import FaultyPublisher, wait_for
 
-from kvtier.bench.ports import free_port
-from kvtier.bench.services import Service
-from kvtier.chunks import Tier
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.chunks import Tier
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import prompt_keys
 from kvtier.index.api import ChunkOp, LocationKind, Query, Registration
-from kvtier.index.vllm_wire import BlockStored
-from kvtier.keys import prompt_keys
+from kvtier.index.ingest.vllm_wire import BlockStored
 from kvtier.store.api.events import EventKind
+from kvtier.testing.ports import free_port
+from kvtier.testing.services import Service
 
 TOKEN_IDS = list(range(500, 500 + 4 * 16))
 KEYS = prompt_keys(NS_B, TOKEN_IDS)  # tenant b's keys of a prompt
@@ -197,8 +197,8 @@ def test_a_store_is_followed_only_for_the_credential_it_proves(
     env = {**auth_env(TOKENS["index"]), "KVTIER_AUTH__CREDENTIALS": json.dumps(creds)}
     index = start_index(env=env)
     try:
+        from kvtier.core.rpc import ClientAuth
         from kvtier.index.client.grpc import GrpcIndexClient
-        from kvtier.rpc import ClientAuth
 
         admin = client(index, "admin")
         node2 = GrpcIndexClient(index.address, 10, auth=ClientAuth(NODE2))
@@ -235,8 +235,8 @@ def test_a_store_is_followed_only_for_the_credential_it_proves(
 def test_a_followed_store_is_written_by_its_follower_only(secure_store: SecureStore) -> None:
     """Nobody over the API, not even its registrant or an admin, can blind the index to a
     store it follows (a Replace with a cursor far ahead did) or drop it."""
+    from kvtier.core.rpc import ClientAuth
     from kvtier.index.client.grpc import GrpcIndexClient
-    from kvtier.rpc import ClientAuth
     from kvtier.store.client.grpc import GrpcStoreClient
     from kvtier.tiers.cpu import CpuTier
 

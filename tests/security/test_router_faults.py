@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse
 from routing.stub_backend import StubBackend
 from security.router_rig import metric, router_over_announced, router_url, start_router, wait_for
 
-from kvtier.bench.services import Service
-from kvtier.http import HttpServer
+from kvtier.core.http import HttpServer
+from kvtier.testing.services import Service
 
 PROMPT = list(range(1, 600))  # two full 256-token chunks: the router asks the index about them
 BODY = {"model": "stub", "prompt": PROMPT, "max_tokens": 1}

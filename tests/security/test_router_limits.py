@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request
 from routing.stub_backend import StubBackend
 from security.router_rig import metric, router_over_announced, router_url, start_router
 
-from kvtier.bench.services import Service
-from kvtier.config_router import RouterConfig
+from kvtier.core.config.router import RouterConfig
+from kvtier.testing.services import Service
 
 
 @dataclass
@@ -213,7 +213,7 @@ def _app() -> FastAPI:
 def test_http_server_caps_connections_and_times_out_headers() -> None:
     """The shared HttpServer (store, index): past ``max_connections`` a new connection is
     answered 503 and closed at once; idle half-sent ones are closed after the timeout."""
-    from kvtier.http import HttpServer
+    from kvtier.core.http import HttpServer
 
     server = HttpServer(_app(), "127.0.0.1", 0, header_timeout_s=1.5, max_connections=4)
     port = server.start()
@@ -239,7 +239,7 @@ def test_http_server_caps_connections_and_times_out_headers() -> None:
 
 def test_http_server_times_out_a_trickled_body() -> None:
     """Headers whole, then the body stalls: 408 once ``body_timeout_s`` has passed."""
-    from kvtier.http import HttpServer
+    from kvtier.core.http import HttpServer
 
     app = _app()
 

@@ -26,11 +26,11 @@ from security.router_rig import (
 from security.secure_env import TOKENS, auth_env
 from security.test_services import _certificates
 
-from kvtier.bench.services import Service
-from kvtier.config_router import RouterConfig
+from kvtier.core.config.router import RouterConfig
+from kvtier.core.rpc import ClientAuth
 from kvtier.index.api import LocationKind, Registration
 from kvtier.index.client.grpc import GrpcIndexClient
-from kvtier.rpc import ClientAuth
+from kvtier.testing.services import Service
 
 BODY = {"model": "stub", "prompt": [1, 2, 3, 4], "max_tokens": 1}
 CLIENT = {"Authorization": f"Bearer {CLIENT_TOKEN}"}
@@ -168,7 +168,7 @@ def test_anonymous_loopback_deployment_discovers_loopback_instances_only(
     ],
 )
 def test_discover_allow_patterns(pattern: str, url: str, admitted: bool) -> None:
-    from kvtier.config_router import HostPattern
+    from kvtier.core.config.router import HostPattern
     from kvtier.router.discovery import DiscoveryPolicy
 
     policy = DiscoveryPolicy([HostPattern.parse(pattern)], "test")

@@ -19,13 +19,13 @@ import pytest
 import typer
 from security.secure_env import TOKENS, auth_env
 
-from kvtier.bench.services import Service, _start, kvtier_argv, start_store
-from kvtier.config_auth import TlsConfig
-from kvtier.errors import ErrorCode, KvtierError
+from kvtier.core.config.auth import TlsConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.rpc import ClientAuth
 from kvtier.index.api import LocationKind, Registration
 from kvtier.index.client.grpc import GrpcIndexClient
-from kvtier.rpc import ClientAuth
 from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.testing.services import Service, _start, kvtier_argv, start_store
 
 
 def _serve(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -236,7 +236,7 @@ def test_authenticated_store_and_index_follow_each_other(tmp_path: Path) -> None
 
     import numpy as np
 
-    from kvtier.keys import Namespace, prompt_keys
+    from kvtier.core.keys import Namespace, prompt_keys
     from kvtier.tiers.cpu import CpuTier
 
     index = _start(

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from security.secure_env import SALTS, TOKENS, SecureStore
 
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace, prompt_keys, salt_digest
-from kvtier.rpc import ClientAuth, open_channel
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys, salt_digest
+from kvtier.core.rpc import ClientAuth, open_channel
 from kvtier.store.client.grpc import GrpcStoreClient
-from kvtier.store.grpc_server import STORE_PERMISSIONS
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
+from kvtier.store.server.grpc import STORE_PERMISSIONS
 from kvtier.tiers.cpu import CpuTier
 
 CHUNK = 4096

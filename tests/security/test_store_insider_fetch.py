@@ -19,12 +19,12 @@ from security.secure_env import TOKENS, auth_env
 from security.test_endpoint_proof import _Recorder
 from security.test_store_access import namespace
 
-from kvtier.bench.ports import free_port
-from kvtier.bench.services import Service, start_store
-from kvtier.keys import prompt_keys
-from kvtier.rpc import ClientAuth
+from kvtier.core.keys import prompt_keys
+from kvtier.core.rpc import ClientAuth
 from kvtier.store.api.remote import FetchStatus
 from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.testing.ports import free_port
+from kvtier.testing.services import Service, start_store
 from kvtier.tiers.cpu import CpuTier
 
 pytestmark = pytest.mark.remote

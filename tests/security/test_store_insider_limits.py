@@ -13,13 +13,13 @@ import pytest
 from security.secure_env import TOKENS, SecureStore, auth_env
 from security.test_store_access import CHUNK, client, namespace, put_chunks
 
-from kvtier.bench.services import start_store
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import Namespace
-from kvtier.rpc import ClientAuth, open_channel
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace
+from kvtier.core.rpc import ClientAuth, open_channel
 from kvtier.store.client import wire
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
+from kvtier.testing.services import start_store
 
 MiB = 1 << 20
 
@@ -172,7 +172,7 @@ def test_the_lease_caps_leave_real_engines_room() -> None:
     """The defaults against what a large engine holds at once: every running request's
     lookup (and its staging lookup) per rank, at 1024 sequences and 8 ranks; each pinning a
     128k-token prompt's 512 chunks at 256 sequences."""
-    from kvtier.config_store import StoreConfig
+    from kvtier.core.config.store import StoreConfig
 
     config = StoreConfig()
     assert config.max_leases_per_session >= 1024 * 2 * 8

@@ -16,17 +16,17 @@ import pytest
 from security.secure_env import TOKENS, SecureStore
 from security.test_store_access import CHUNK, client, namespace, put_chunks
 
-from kvtier.auth import Principal
-from kvtier.chunks import LookupStatus
-from kvtier.config import StoreConfig
-from kvtier.config_auth import Role
-from kvtier.errors import ErrorCode, KvtierError
-from kvtier.keys import prompt_keys
-from kvtier.rpc import _CALLER
+from kvtier.core.auth import Principal
+from kvtier.core.chunks import LookupStatus
+from kvtier.core.config import StoreConfig
+from kvtier.core.config.auth import Role
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import prompt_keys
+from kvtier.core.rpc import _CALLER
 from kvtier.store.api.types import AllocStatus
-from kvtier.store.grpc_server import StoreServicer
 from kvtier.store.node import NodeStore
 from kvtier.store.proto import store_pb2 as pb
+from kvtier.store.server.grpc import StoreServicer
 
 
 def test_another_namespaces_keys_answer_like_absent_ones(secure_store: SecureStore) -> None:

@@ -1,0 +1,1 @@
+"""``kvtier bench cluster``: a real trace replayed through a cluster of real processes."""

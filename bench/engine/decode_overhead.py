@@ -1,0 +1,199 @@
+"""What kvtier's connector costs a decode step: one vLLM server, the same streamed workload,
+with and without the connector.
+
+    kvtier bench decode-overhead [--repeats 2] [--requests 48] [--concurrency 8]
+
+Configurations, each a freshly started OpenAI server (the ``cpu-bench`` model, 32 MiB of KV),
+interleaved repeat by repeat so a machine's drift hits all of them alike:
+
+- ``vllm``: no KV connector (the floor);
+- ``kvtier-embedded``: kvtier's connector with an embedded store in the engine process;
+- ``kvtier-store``: kvtier's connector with a node store process (gRPC over loopback).
+
+The workload: ``requests`` distinct random prompts (every one a miss, so every prompt's
+chunks are saved while other requests decode), ``concurrency`` streams at a time,
+``max_tokens`` generated each (``ignore_eos``), sent by the trace replayer's closed loop
+(``trace/replay.py``: TTFT and TPOT per request on the client's clock, summarised by
+``trace/summary.py``). A warm-up batch runs first. Beside TPOT it reports, from vLLM's
+``/metrics``, the engine steps of the measured runs and the ms per step the engine spent in
+kvtier's hooks (``vllm:kvtier_{scheduler,worker}_hook_seconds``).
+
+The question it answers: does the connector's per-step work (save planning, copies into the
+pool) slow decoding? It isolates the connector from a cluster's other processes (router,
+index, several engines on the same cores), which ``kvtier bench cluster`` cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvtier.bench.cluster.figures import engine_figures, ms_per_step
+from kvtier.bench.cluster.procs import counters
+from kvtier.testing.models import make_model
+from kvtier.testing.services import start_store
+from kvtier.testing.vllm_driver import kvtier_transfer_config
+from kvtier.testing.vllm_server import MODEL_NAME, VllmServer
+from kvtier.traces.replay import Replayer, ReplayItem, ReplayOptions, ReplayResult
+from kvtier.traces.summary import summarize
+
+CONFIGS = ("vllm", "kvtier-embedded", "kvtier-store")
+
+
+@dataclass
+class Settings:
+    repeats: int = 2
+    requests: int = 48
+    concurrency: int = 8
+    prompt_tokens: int = 300
+    max_tokens: int = 32
+    preset: str = "cpu-bench"
+    kv_cache_bytes: int = 32 << 20
+    pool: str = "256MiB"
+
+
+@dataclass
+class Samples:
+    results: list[ReplayResult] = field(default_factory=list)  # every repeat's, pooled
+    per_repeat_tpot_p50: list[float] = field(default_factory=list)
+    steps: float = 0.0  # engine steps of the measured runs
+    hook_s: dict[str, float] = field(default_factory=lambda: {"scheduler": 0.0, "worker": 0.0})
+
+    def hook_ms_per_step(self) -> dict[str, float]:
+        """What the engine spent in kvtier's hooks per step, as vLLM's metrics say."""
+        return ms_per_step(self.hook_s, self.steps)
+
+
+def _replay(url: str, prompts: list[list[int]], s: Settings) -> list[ReplayResult]:
+    """The trace replayer's closed loop: ``concurrency`` streams, TTFT / TPOT per request."""
+    opts = ReplayOptions(url=url, model=MODEL_NAME, concurrency=s.concurrency)
+    items = [
+        ReplayItem(i, 0.0, s.max_tokens, functools.partial(list, prompt))
+        for i, prompt in enumerate(prompts)
+    ]
+    results = asyncio.run(Replayer(opts).run(items))
+    failed = [r for r in results if r.status != "ok"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} requests failed: {failed[0].error}")
+    return results
+
+
+def _prompts(n: int, tokens: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 4000) for _ in range(tokens)] for _ in range(n)]
+
+
+def _serve_once(
+    config: str, model: Path, workdir: Path, s: Settings, seed: int
+) -> tuple[list[ReplayResult], dict[str, Any]]:
+    """Start ``config``'s server, warm it up, run the workload, stop everything; the results
+    and the engine's steps and hook time during the workload (``engine_figures``)."""
+    store = None
+    extra_args: list[str] = []
+    if config != "vllm":
+        extra: dict[str, Any] = {"chunk_tokens": 64, "store": {"pool": {"capacity": s.pool}}}
+        if config == "kvtier-store":
+            store = start_store(workdir, s.pool, "decode-bench", remote=False)
+            extra = {"chunk_tokens": 64, "store_address": store.address}
+        extra_args = ["--kv-transfer-config", json.dumps(kvtier_transfer_config(extra))]
+    server = VllmServer(
+        model, workdir / f"{config}.log", kv_cache_bytes=s.kv_cache_bytes, extra_args=extra_args,
+        env={"KVTIER_STORE__RUN_DIR": str(workdir)},
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        _replay(server.url, _prompts(s.concurrency, s.prompt_tokens, 10**6 + seed), s)  # warm-up
+        before = counters(server.url)
+        results = _replay(server.url, _prompts(s.requests, s.prompt_tokens, seed), s)
+        time.sleep(1.0)  # vLLM's front end has the last steps' stats
+        return results, engine_figures({"e": before}, {"e": counters(server.url)})
+    finally:
+        server.stop()
+        if store is not None:
+            store.stop()
+
+
+def run(s: Settings, configs: tuple[str, ...] = CONFIGS) -> dict[str, Samples]:
+    model = make_model(Path(tempfile.gettempdir()) / f"kvtier-{s.preset}", s.preset)
+    out = {c: Samples() for c in configs}
+    with tqdm(total=s.repeats * len(configs), desc="servers", unit="server") as bar:
+        for repeat in range(s.repeats):
+            for config in configs:
+                with tempfile.TemporaryDirectory(prefix="kvtier-decode-") as tmp:
+                    # the same prompts for every configuration within a repeat
+                    results, engine = _serve_once(config, model, Path(tmp), s, seed=repeat)
+                samples = out[config]
+                samples.results += results
+                samples.steps += engine["steps"]
+                for role, seconds in engine["hook_seconds"].items():
+                    samples.hook_s[role] += seconds
+                samples.per_repeat_tpot_p50.append(
+                    statistics.median(r.tpot_s for r in results if r.tpot_s is not None)
+                )
+                bar.update()
+    return out
+
+
+def _figures(x: Samples) -> dict[str, Any]:
+    """p50 / p90 ms of TPOT, TTFT and E2E over every repeat's requests (the replay's
+    summary)."""
+    summary = summarize(x.results)
+    return {
+        metric: {q: 1e3 * summary[f"{metric}_s"][q] for q in ("p50", "p90")}
+        for metric in ("tpot", "ttft", "e2e")
+    }
+
+
+def to_json(report: dict[str, Samples], s: Settings) -> dict:
+    return {
+        "settings": s.__dict__,
+        "configs": {
+            c: {
+                **{f"{m}_ms": v for m, v in _figures(x).items()},
+                "per_repeat_tpot_p50_ms": [1e3 * v for v in x.per_repeat_tpot_p50],
+                "requests": len(x.results),
+                "engine_steps": x.steps,
+                "hook_ms_per_step": x.hook_ms_per_step(),
+            }
+            for c, x in report.items()
+        },
+    }
+
+
+def print_report(report: dict[str, Samples], s: Settings) -> None:
+    from rich.table import Table
+
+    from kvtier.core.logs import console
+
+    table = Table(
+        title=f"decode with and without the connector: {s.requests} distinct {s.prompt_tokens}-"
+        f"token prompts x {s.repeats}, {s.concurrency} streams, {s.max_tokens} tokens each"
+    )
+    columns = (
+        "configuration", "TPOT p50 / p90 ms", "TPOT p50 per repeat ms", "TTFT p50 / p90 ms",
+        "E2E p50 / p90 ms", "steps", "kvtier hooks ms / step (scheduler / worker)",
+    )  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="right")
+    for config, x in report.items():
+        f = _figures(x)
+        table.add_row(
+            config,
+            f"{f['tpot']['p50']:.1f} / {f['tpot']['p90']:.1f}",
+            " / ".join(f"{1e3 * v:.1f}" for v in x.per_repeat_tpot_p50),
+            f"{f['ttft']['p50']:.0f} / {f['ttft']['p90']:.0f}",
+            f"{f['e2e']['p50']:.0f} / {f['e2e']['p90']:.0f}",
+            f"{x.steps:.0f}",
+            " / ".join(f"{v:.2f}" for v in x.hook_ms_per_step().values()),
+        )
+    console().print(table)

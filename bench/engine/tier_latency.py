@@ -1,0 +1,459 @@
+"""Time to first token by where a reused prefix is found: miss, GPU, DRAM (kvtier), peers.
+
+    kvtier bench tier-latency [--lengths 2048,4096,8192] [--reps 5] [--peers lmcache]
+
+For each prefix length L and repetition, a fresh random prompt of L tokens is sent to a fresh
+vLLM instance (CPU build, random model of the ``cpu-bench`` preset unless ``--model``):
+1. miss: first sight, recomputed (kvtier saves it to DRAM on the way);
+2. gpu: sent again, vLLM's own prefix cache hits;
+3. dram: after ``reset_prefix_cache`` (vLLM's cache only), kvtier loads it from DRAM.
+Every request's tier is checked from vLLM's own counters (prompt tokens cached by source:
+device / host / p2p); a request that landed in another tier than intended is reported and
+left out of the figures, never averaged in. The same prompts go through a vLLM without any
+connector (the miss baseline: what kvtier's saving costs) and through each peer (LMCache) in
+their own processes. Floor: a memcpy of the same KV bytes, measured in this run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.store.client.shm import page_aligned_empty
+from kvtier.testing.models import make_model, vllm_env
+from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
+
+WARMUP_TOKENS = 512
+
+
+@dataclass
+class Sample:
+    config: str  # kvtier | baseline | lmcache ...
+    tier: str  # intended: miss | gpu | dram
+    length: int
+    seconds: float
+    cached_by_source: dict[str, float]
+    verified: bool
+
+
+@dataclass
+class Report:
+    model: str
+    lengths: list[int]
+    reps: int
+    kv_bytes_per_token: int
+    suffix: int = 0  # new tokens after the reused prefix in each request
+    samples: list[Sample] = field(default_factory=list)
+    floors: dict[int, float] = field(default_factory=dict)  # L -> memcpy seconds
+
+    def p(self, config: str, tier: str, length: int, q: float) -> float | None:
+        xs = sorted(
+            s.seconds
+            for s in self.samples
+            if s.config == config and s.tier == tier and s.length == length and s.verified
+        )
+        if not xs:
+            return None
+        return float(np.percentile(xs, q))
+
+    def rejected(self) -> list[Sample]:
+        return [s for s in self.samples if not s.verified]
+
+
+def _verify(tier: str, length: int, cached: dict[str, float]) -> bool:
+    """Did the request land in the tier we meant? (from vLLM's per-source counters)"""
+    device, host, p2p = (cached.get(k, 0.0) for k in ("device", "host", "p2p"))
+    mostly = 0.9 * length
+    if tier == "miss":
+        return device == host == p2p == 0
+    if tier == "gpu":  # all from vLLM's own cache (a peer topping it up is another tier)
+        return device >= mostly and host == p2p == cached.get("external_unspecified", 0.0) == 0
+    if tier == "dram":  # LMCache labels its hits external_unspecified, kvtier as host
+        dram = host + cached.get("external_unspecified", 0.0)
+        return dram >= mostly and device < 0.1 * length and p2p == 0
+    if tier == "remote":
+        return p2p >= mostly and device < 0.1 * length
+    raise ValueError(tier)
+
+
+def _prompts(lengths: list[int], reps: int, vocab: int, seed: int) -> dict[tuple[int, int], list]:
+    rng = random.Random(seed)
+    return {
+        (L, r): [rng.randrange(4, vocab) for _ in range(L)] for r in range(reps) for L in lengths
+    }
+
+
+def _suffixes(length: int, vocab: int, seed: int) -> dict[str, list[int]]:
+    """New tokens after the reused prefix, one run per tier (all empty when length is 0): the
+    cached part of every request is then exactly the prefix, as in an agent's next turn."""
+    rng = random.Random(seed + 7)
+    return {
+        tier: [rng.randrange(4, vocab) for _ in range(length)]
+        for tier in ("miss", "gpu", "dram", "remote")
+    }
+
+
+def _phases_for(
+    tiers: list[str], prompts: dict, warmup: list[int], suffixes: dict[str, list[int]]
+) -> tuple[list, list]:
+    """The driver script, and for each generate phase the (tier, length) it measures."""
+    phases: list[dict] = [
+        {"op": "generate", "prompts": [warmup], "max_tokens": 1},
+        {"op": "generate", "prompts": [warmup], "max_tokens": 1},
+    ]
+    labels: list[tuple[str, int] | None] = [None, None]
+    for (length, _), prompt in prompts.items():
+        for tier in tiers:
+            if tier == "dram":
+                phases.append({"op": "reset_prefix_cache"})
+                labels.append(None)
+            request = prompt + suffixes[tier]
+            phases.append({"op": "generate", "prompts": [request], "max_tokens": 1})
+            labels.append((tier, length))
+        phases.append({"op": "reset_prefix_cache"})
+        labels.append(None)
+    return phases, labels
+
+
+def _collect(report: Report, config: str, results: list, labels: list) -> None:
+    for result, label in zip(results, labels, strict=True):
+        if label is None:
+            continue
+        tier, length = label
+        (out,) = result
+        report.samples.append(
+            Sample(
+                config,
+                tier,
+                length,
+                out["seconds"],
+                out["cached_by_source"],
+                _verify(tier, length, out["cached_by_source"]),
+            )
+        )
+
+
+def memcpy_floor(nbytes: int, repeat: int = 5) -> float:
+    """Seconds to memcpy ``nbytes`` between page-aligned buffers (best of ``repeat``)."""
+    src, dst = page_aligned_empty(nbytes), page_aligned_empty(nbytes)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+# A config: name -> function(model, run_dir) returning (driver spec additions, env additions,
+# cleanup). Peers register here (bench/peers.py).
+ConfigSetup = Callable[[str, Path], tuple[dict, dict, Callable[[], None]]]
+
+
+def _kvtier(model: str, run_dir: Path, **settings: Any) -> tuple[dict, dict, Callable[[], None]]:
+    extra = {"store": {"pool": {"capacity": "4GiB"}}, "min_hit_tokens": {"cpu": 256}, **settings}
+    return (
+        {"kv_transfer_config": kvtier_transfer_config(extra)},
+        {"KVTIER_STORE__RUN_DIR": str(run_dir)},
+        lambda: None,
+    )
+
+
+def _baseline(model: str, run_dir: Path) -> tuple[dict, dict, Callable[[], None]]:
+    return {"kv_transfer_config": None}, {}, lambda: None
+
+
+def _lmcache(model: str, run_dir: Path) -> tuple[dict, dict, Callable[[], None]]:
+    from kvtier.bench.peers.lmcache import PRELOAD, LMCacheServer
+
+    server = LMCacheServer(run_dir / "lmcache-server.log")
+    server.start()
+    return (
+        {"kv_transfer_config": server.kv_transfer_config(), "preload": [PRELOAD]},
+        {},
+        server.stop,
+    )
+
+
+def _run_remote(
+    report: Report,
+    prompts: dict,
+    warmup: list[int],
+    suffixes: dict[str, list[int]],
+    spec_base: dict,
+    tmp: Path,
+    progress: Callable[[str], None],
+) -> None:
+    """Two "nodes" (a store each, remote tier on) and an index. A vLLM on node B computes
+    every prompt (stored in B's pool); then a vLLM on node A sends each one: a remote hit
+    (pulled from B into A's pool over the transfer engine), then, after A's vLLM prefix cache
+    is reset, a DRAM hit on A."""
+    from kvtier.testing.services import start_index, start_store, wait_indexed
+
+    run_dir = tmp / "remote"
+    capacity = "4GiB"
+    b = start_store(run_dir, capacity, "node-b")
+    a = start_store(run_dir, capacity, "node-a", extra=("--peers", b.address))  # pulls from B
+    index = start_index([a, b])
+    try:
+
+        def spec(store: Any, phases: list[dict]) -> dict:
+            extra = {
+                "store_address": store.address,
+                "index_address": index.address,
+                "tiers": ["cpu", "remote"],
+                "remote_fetch_timeout_s": 30.0,
+                "min_hit_tokens": {"cpu": 256, "remote": 256},
+            }
+            return {
+                **spec_base,
+                "phases": phases,
+                "kv_transfer_config": kvtier_transfer_config(extra),
+            }
+
+        env = vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir))
+        progress("kvtier-remote: node B computes the prompts")
+        seed = [
+            {"op": "generate", "prompts": [p + suffixes["miss"]], "max_tokens": 1}
+            for p in prompts.values()
+        ]
+        run_vllm(spec(b, seed), env, timeout=7200)
+        chunks = sum(len(p) // 256 for p in prompts.values())
+        wait_indexed(index, "node-b", chunks)
+        progress("kvtier-remote: node A pulls them (remote hit), then hits its own DRAM")
+        warm = {"op": "generate", "prompts": [warmup], "max_tokens": 1}
+        phases, labels = _phases_for(["remote", "dram"], prompts, warmup, suffixes)
+        phases[:2] = [warm, warm]
+        results = run_vllm(spec(a, phases), env, timeout=7200)
+        _collect(report, "kvtier-remote", results, labels)
+    finally:
+        index.stop()
+        a.stop()
+        b.stop()
+
+
+CONFIGS: dict[str, tuple[ConfigSetup, list[str]]] = {
+    "kvtier": (_kvtier, ["miss", "gpu", "dram"]),
+    # the cost of checksumming every load (verify_loads), measured against not doing it
+    "kvtier-verify": (functools.partial(_kvtier, verify_loads=True), ["miss", "gpu", "dram"]),
+    "kvtier-noverify": (functools.partial(_kvtier, verify_loads=False), ["miss", "gpu", "dram"]),
+    "baseline": (_baseline, ["miss", "gpu"]),
+    "lmcache": (_lmcache, ["miss", "gpu", "dram"]),
+}
+
+
+def run(
+    lengths: list[int],
+    reps: int,
+    configs: list[str],
+    model: str | None = None,
+    preset: str = "cpu-bench",
+    seed: int = 0,
+    suffix: int = 32,
+    progress: Callable[[str], None] = print,
+) -> Report:
+    """``suffix``: new tokens after the reused prefix (0: the prompt is resent unchanged, so a
+    hit covers all of it but the last block; >0: an agent's next turn)."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-tier-latency-") as tmp:
+        tmp_path = Path(tmp)
+        model_dir = model or str(
+            make_model(Path(tempfile.gettempdir()) / f"kvtier-{preset}", preset)
+        )
+        params = json.loads((Path(model_dir) / "config.json").read_text())
+        kv_per_token = (
+            params["num_hidden_layers"]
+            * 2
+            * params["num_key_value_heads"]
+            * params.get("head_dim", params["hidden_size"] // params["num_attention_heads"])
+            * 4
+        )  # fp32
+        report = Report(model_dir, lengths, reps, kv_per_token, suffix)
+        vocab = params["vocab_size"]
+        prompts = _prompts(lengths, reps, vocab, seed)
+        suffix_tokens = _suffixes(suffix, vocab, seed)
+        warmup = [random.Random(seed + 1).randrange(4, vocab) for _ in range(WARMUP_TOKENS)]
+        max_len = max(lengths) + suffix + 64
+        for name in configs:
+            if name == "kvtier-remote":
+                spec_base = {
+                    "model": model_dir,
+                    "max_model_len": max_len,
+                    "kv_cache_bytes": 3 * max_len * kv_per_token + (64 << 20),
+                    "max_num_batched_tokens": 4096,
+                }
+                _run_remote(report, prompts, warmup, suffix_tokens, spec_base, tmp_path, progress)
+                continue
+            setup, tiers = CONFIGS[name]
+            progress(f"{name}: {len(prompts)} prompts x {tiers} in a fresh vLLM instance")
+            spec_extra, env_extra, cleanup = setup(model_dir, tmp_path / name)
+            try:
+                phases, labels = _phases_for(tiers, prompts, warmup, suffix_tokens)
+                spec = {
+                    "model": model_dir,
+                    "phases": phases,
+                    "max_model_len": max_len,
+                    "kv_cache_bytes": 3 * max_len * kv_per_token + (64 << 20),
+                    "max_num_batched_tokens": 4096,
+                    **spec_extra,
+                }
+                results = run_vllm(spec, vllm_env(**env_extra), timeout=7200)
+            finally:
+                cleanup()
+            _collect(report, name, results, labels)
+        for length in lengths:
+            report.floors[length] = memcpy_floor(length * kv_per_token)
+    return report
+
+
+def summary_rows(report: Report) -> list[dict[str, Any]]:
+    rows = []
+    configs = sorted({s.config for s in report.samples})
+    for length in report.lengths:
+        for config in configs:
+            for tier in ("miss", "gpu", "dram", "remote"):
+                p50 = report.p(config, tier, length, 50)
+                if p50 is None:
+                    continue
+                rows.append(
+                    {
+                        "length": length,
+                        "config": config,
+                        "tier": tier,
+                        "p50_s": p50,
+                        "p90_s": report.p(config, tier, length, 90),
+                        "n": sum(
+                            1
+                            for s in report.samples
+                            if s.config == config
+                            and s.tier == tier
+                            and s.length == length
+                            and s.verified
+                        ),
+                    }
+                )
+    return rows
+
+
+def print_report(report: Report) -> None:
+    from rich.table import Table
+
+    from kvtier.core.logs import console
+
+    out = console()
+    table = Table(
+        title=f"TTFT by tier, p50 / p90 over {report.reps} prompts per length "
+        f"({report.kv_bytes_per_token} B of KV per token; {report.suffix} new tokens after "
+        "the reused prefix)"
+    )
+    for col in ("prefix", "config", "tier", "p50 s", "p90 s", "n"):
+        table.add_column(col, justify="right")
+    for row in summary_rows(report):
+        table.add_row(
+            f"{row['length']:,}",
+            row["config"],
+            row["tier"],
+            f"{row['p50_s']:.3f}",
+            f"{row['p90_s']:.3f}",
+            str(row["n"]),
+        )
+    out.print(table)
+    table = Table(
+        title="ratios of p50s (targets: DRAM <= 1.5x GPU, miss >= 5x DRAM, remote "
+        "<= 2x DRAM, kvtier DRAM <= LMCache's) and the memcpy floor"
+    )
+    for col in (
+        "prefix",
+        "KV MiB",
+        "memcpy ms",
+        "gpu ms",
+        "dram ms",
+        "dram/gpu",
+        "miss/dram",
+        "remote ms",
+        "remote/dram",
+        "lmcache dram ms",
+        "kvtier/lmcache",
+    ):
+        table.add_column(col, justify="right")
+    for length in report.lengths:
+        dram = report.p("kvtier", "dram", length, 50)
+        gpu = report.p("kvtier", "gpu", length, 50)
+        miss = report.p("kvtier", "miss", length, 50)
+        remote = report.p("kvtier-remote", "remote", length, 50)
+        remote_dram = report.p("kvtier-remote", "dram", length, 50) or dram
+        peer = report.p("lmcache", "dram", length, 50)
+        table.add_row(
+            f"{length:,}",
+            f"{length * report.kv_bytes_per_token / 2**20:.0f}",
+            f"{report.floors[length] * 1e3:.1f}",
+            _ms(gpu),
+            _ms(dram),
+            _ratio(dram, gpu),
+            _ratio(miss, dram),
+            _ms(remote),
+            _ratio(remote, remote_dram),
+            _ms(peer),
+            _ratio(dram, peer),
+        )
+    out.print(table)
+    for sample in report.rejected():
+        out.print(
+            f"[yellow]left out: {sample.config} {sample.tier} at {sample.length} "
+            f"landed elsewhere: {sample.cached_by_source}"
+        )
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{a / b:.2f}x"
+
+
+def plot(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for config in sorted({s.config for s in report.samples}):
+        for tier in ("miss", "gpu", "dram", "remote"):
+            points = [(L, report.p(config, tier, L, 50)) for L in report.lengths]
+            points = [(L, v) for L, v in points if v is not None]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", label=f"{config} {tier}")
+    floors = [report.floors[L] for L in report.lengths]
+    ax.plot(report.lengths, floors, linestyle=":", color="grey", label="memcpy of the KV")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("reused prefix (tokens)")
+    ax.set_ylabel("time to first token, p50 (s)")
+    ax.set_title("TTFT by tier (vLLM CPU build)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def to_json(report: Report) -> dict:
+    return {
+        "model": report.model,
+        "lengths": report.lengths,
+        "reps": report.reps,
+        "kv_bytes_per_token": report.kv_bytes_per_token,
+        "suffix": report.suffix,
+        "floors_s": {str(k): v for k, v in report.floors.items()},
+        "summary": summary_rows(report),
+        "samples": [s.__dict__ for s in report.samples],
+    }

@@ -1,0 +1,1 @@
+"""``kvtier bench faults``: every failure path driven through real vLLM instances."""

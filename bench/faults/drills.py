@@ -1,0 +1,523 @@
+"""The fault drills of ``kvtier bench faults`` (and of ``tests/test_fault_drills.py``).
+
+Most drills follow one shape, ``poison_flow``: an instance stores prompts A (300 tokens, 4
+chunks of 64), resets its GPU cache, then runs prompts B (A's first 256 tokens + 200 new ones:
+loads A's 4 chunks and completes 3 new chunks in the same step) while a fault hits the load.
+Then, the fault off, it stores A again (restoring whatever the fault made the store drop),
+resets, and runs B from DRAM (448 tokens). A fault that let the instance commit chunks
+computed over blocks that were never loaded shows up as wrong tokens there.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.faults.run import (
+    DrillContext,
+    DrillResult,
+    add_counters,
+    generate,
+    tally,
+)
+from kvtier.testing.models import make_tiny_llama
+from kvtier.testing.ports import free_port
+from kvtier.testing.services import Service, kvtier_argv, start_store, store_args
+
+RESET = {"op": "reset_prefix_cache"}
+METRICS = {"op": "metrics"}
+DISARM = {"op": "disarm"}
+
+
+def _store(ctx: DrillContext, capacity: str = "256MiB", **kwargs: Any) -> Service:
+    return start_store(ctx.run_dir, capacity, "drill-node", remote=False, **kwargs)
+
+
+def live_leases(store: Service) -> dict:
+    """A phase reading the store's lease count while the engine is alive and idle: a lease
+    the connector leaked is still held then (once the engine exits, closing its session
+    releases everything, which is why reading after the run could never show a leak)."""
+    return {"op": "store_leases", "address": store.address}
+
+
+def _leases(store: Service) -> int:
+    """Leases still held at the store once every instance has exited (0 for a dead store:
+    its leases died with it). Catches leases of clients without a session only: drills
+    read ``live_leases`` while the engine runs."""
+    from kvtier.store.client.grpc import GrpcStoreClient
+
+    if store.proc.poll() is not None:
+        return 0
+
+    client = GrpcStoreClient(store.address)
+    try:
+        stats = client.stats()
+        return int(stats["read_leases"]) + int(stats["write_leases"])
+    finally:
+        client.close()
+
+
+def poison_flow(
+    ctx: DrillContext,
+    fault: Callable[[Service], dict],
+    extra: dict | None = None,
+    seed: int = 1,
+) -> DrillResult:
+    """One instance: A, reset, B with ``fault`` armed for every load; then, fault off and GPU
+    cache reset, A again (restoring what the fault made the store drop), reset, and B from
+    DRAM: whatever the faulty phase committed is read back and compared."""
+    result = DrillResult("", "")
+    prompts = ctx.prompts(seed)
+    store = _store(ctx)
+    try:
+        config = {"store_address": store.address} | (extra or {})
+        phases = [generate(prompts.a), RESET, fault(store) | {"every": True}]
+        phases += [generate(prompts.b), live_leases(store), DISARM, RESET, generate(prompts.a)]
+        phases += [RESET, generate(prompts.b), live_leases(store), METRICS]
+        out = ctx.vllm(phases, config)
+        reference = ctx.reference(prompts.a + prompts.b)
+        tally(result, out[0], prompts.a, reference)
+        tally(result, out[3], prompts.b, reference, timed=True)
+        tally(result, out[7], prompts.a, reference)
+        tally(result, out[9], prompts.b, reference)
+        add_counters(result, out[-1])
+        result.leaked_leases = max(out[4], out[10], _leases(store))
+    finally:
+        store.stop()
+    return result
+
+
+# -- 1. a store restarted between lookup and load ---------------------------------------------
+
+
+def restart(when: str) -> Callable[[DrillContext], DrillResult]:
+    def drill(ctx: DrillContext) -> DrillResult:
+        port = free_port()
+        args = store_args(ctx.run_dir, "256MiB", "drill-node", remote=False, grpc_port=port)
+        ready_file = ctx.workdir / f"restarted-{when}.json"
+        ready_file.unlink(missing_ok=True)
+        store = _store(ctx, grpc_port=port)
+
+        def fault(s: Service) -> dict:
+            return {
+                "op": "fault",
+                "kind": "restart_store",
+                "pid": s.proc.pid,
+                "argv": kvtier_argv(args),
+                "ready_file": str(ready_file),
+                "when": when,
+            }
+
+        try:
+            result = _restart_flow(ctx, store, fault)
+            if ready_file.exists():
+                result.leaked_leases = _leases(_restarted(ready_file))
+        finally:
+            store.stop()
+            _stop_restarted(ready_file)
+        return result
+
+    return drill
+
+
+def _restart_flow(
+    ctx: DrillContext, store: Service, fault: Callable[[Service], dict]
+) -> DrillResult:
+    """Per request: A, reset, the store restarts between B's lookup and load, B. The new store
+    is empty, so each B pays its own restart. Then B again from whatever is stored now."""
+    result = DrillResult("", "")
+    prompts = ctx.prompts(2)
+    config = {"store_address": store.address}
+    phases: list[dict] = []
+    for i, b in enumerate(prompts.b):
+        # the sleep: A's saves commit before B looks up (else B finds nothing to load and the
+        # fault, armed for B's load, never fires)
+        settle = {"op": "sleep", "seconds": 1.0}
+        phases += [generate([prompts.a[i]]), RESET, settle, fault(store), generate([b])]
+    phases += [DISARM, RESET, generate(prompts.b), METRICS]
+    out = ctx.vllm(phases, config)
+    reference = ctx.reference(prompts.a + prompts.b)
+    per_request = out[: 5 * len(prompts.b)]
+    outs = [o for phase in per_request if isinstance(phase, list) for o in phase]
+    tally(result, outs[0::2], prompts.a, reference)
+    tally(result, outs[1::2], prompts.b, reference, timed=True)
+    tally(result, out[-2], prompts.b, reference)
+    add_counters(result, out[-1])
+    return result
+
+
+def _restarted(ready_file: Path) -> Service:
+    import json
+    import subprocess
+
+    ready = json.loads(ready_file.read_text())
+    return Service(subprocess.Popen(["true"]), ready)  # only its address is used
+
+
+def _stop_restarted(ready_file: Path) -> None:
+    import json
+    import os
+    import signal
+
+    if ready_file.exists():
+        pid = json.loads(ready_file.read_text())["pid"]
+        try:
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(100):
+                os.kill(pid, 0)
+                time.sleep(0.1)
+        except ProcessLookupError:
+            pass
+
+
+# -- 2. a failed load in a step that also completes chunks ------------------------------------
+
+
+def lapsed_lease(ctx: DrillContext) -> DrillResult:
+    return poison_flow(
+        ctx, lambda s: {"op": "fault", "kind": "stall", "seconds": 0.9}, {"lease_ttl_s": 1.0}
+    )
+
+
+def checksum_mismatch(ctx: DrillContext) -> DrillResult:
+    def fault(s: Service) -> dict:
+        return {"op": "fault", "kind": "corrupt_chunk", "segment": s.ready["segment"], "chunk": 1}
+
+    return poison_flow(ctx, fault, {"verify_loads": True}, seed=3)
+
+
+def copy_exception(ctx: DrillContext) -> DrillResult:
+    return poison_flow(ctx, lambda s: {"op": "fault", "kind": "copy_error"}, seed=4)
+
+
+def missing_segment(ctx: DrillContext) -> DrillResult:
+    def fault(s: Service) -> dict:
+        return {"op": "fault", "kind": "unlink_segment", "segment": s.ready["segment"]}
+
+    return poison_flow(ctx, fault, seed=5)
+
+
+def store_killed_mid_load(ctx: DrillContext) -> DrillResult:
+    def fault(s: Service) -> dict:
+        return {
+            "op": "fault",
+            "kind": "kill_store",
+            "pid": s.proc.pid,
+            "segment": s.ready["segment"],
+        }
+
+    return poison_flow(ctx, fault, seed=6)
+
+
+# -- 3. weights that differ under one name ------------------------------------------------------
+
+
+def weights_changed_in_place(ctx: DrillContext) -> DrillResult:
+    """The same model path serves other weights (a fine-tune saved over it): instance 2 must
+    not load what instance 1 computed with the old weights."""
+    result = DrillResult("", "")
+    prompts = ctx.prompts(7)
+    model = ctx.workdir / "model-in-place"
+    shutil.rmtree(model, ignore_errors=True)
+    shutil.copytree(ctx.model, model)
+    other = make_tiny_llama(ctx.workdir / "tiny-llama-seed1", seed=1)
+    store = _store(ctx)
+    try:
+        config = {"store_address": store.address}
+        first = ctx.vllm([generate(prompts.a), METRICS], config, model=model)
+        shutil.copy(other / "model.safetensors", model / "model.safetensors")
+        check = ctx.vllm([generate(prompts.a), METRICS], config, model=model)
+        tally(result, first[0], prompts.a, ctx.reference(prompts.a, ctx.model))
+        tally(result, check[0], prompts.a, ctx.reference(prompts.a, other), timed=True)
+        add_counters(result, first[-1])
+        add_counters(result, check[-1])
+        result.leaked_leases = _leases(store)
+    finally:
+        store.stop()
+    return result
+
+
+def rope_override(ctx: DrillContext) -> DrillResult:
+    """Same weights, other rope scaling (hf_overrides): other KV, so no sharing."""
+    result = DrillResult("", "")
+    prompts = ctx.prompts(8)
+    overrides = {
+        "hf_overrides": {"rope_parameters": {"rope_type": "default", "rope_theta": 1234.0}}
+    }
+    store = _store(ctx)
+    try:
+        config = {"store_address": store.address}
+        first = ctx.vllm([generate(prompts.a), METRICS], config)
+        check = ctx.vllm([generate(prompts.a), METRICS], config, engine_args=overrides)
+        tally(result, first[0], prompts.a, ctx.reference(prompts.a))
+        reference = ctx.reference(prompts.a, None, 1, **overrides)
+        tally(result, check[0], prompts.a, reference, timed=True)
+        add_counters(result, first[-1])
+        add_counters(result, check[-1])
+        result.leaked_leases = _leases(store)
+    finally:
+        store.stop()
+    return result
+
+
+# -- 7. inputs and states that used to raise inside the scheduler -------------------------------
+
+
+def salted(prompts: list[list[int]], salt: str) -> list[dict]:
+    return [{"tokens": p, "cache_salt": salt} for p in prompts]
+
+
+def salt_with_newline(ctx: DrillContext) -> DrillResult:
+    """A cache_salt vLLM accepts (line breaks, any Unicode) works, and isolates."""
+    result = DrillResult("", "")
+    prompts = ctx.prompts(9)
+    batch = salted(prompts.a, "tenant\nb\u00e9")
+    store = _store(ctx)
+    try:
+        config = {"store_address": store.address}
+        others = salted(prompts.a, "tenant-c")
+        phases = [generate(batch), RESET, generate(batch), RESET, generate(others), METRICS]
+        out = ctx.vllm(phases, config)
+        reference = ctx.reference(batch + others)
+        tally(result, out[0], batch, reference)
+        tally(result, out[2], batch, reference, timed=True)
+        tally(result, out[4], others, reference)
+        add_counters(result, out[-1])
+        if any(o.get("cached_by_source", {}).get("host") for o in out[4]):
+            result.notes.append("another salt hit the first salt's chunks")
+            result.wrong_tokens += 1  # isolation broken counts as wrong
+        result.leaked_leases = _leases(store)
+    finally:
+        store.stop()
+    return result
+
+
+def store_down_new_salt(ctx: DrillContext) -> DrillResult:
+    """The store dies; the next request brings a salt never seen (its namespace must be
+    registered): a miss, not an engine crash."""
+    result = DrillResult("", "")
+    prompts = ctx.prompts(10)
+    store = _store(ctx)
+    try:
+        config = {"store_address": store.address}
+        batch = salted(prompts.a, "fresh-tenant")
+        phases = [
+            generate(prompts.a[:1]),
+            {"op": "signal", "pid": store.proc.pid, "signal": "SIGKILL"},
+            generate(batch),
+            METRICS,
+        ]
+        out = ctx.vllm(phases, config)
+        reference = ctx.reference([*prompts.a[:1], *batch])
+        tally(result, out[0], prompts.a[:1], reference)
+        tally(result, out[2], batch, reference, timed=True)
+        add_counters(result, out[-1])
+    finally:
+        store.stop()
+    return result
+
+
+def pool_too_small(ctx: DrillContext) -> DrillResult:
+    """A pool smaller than one chunk: the store refuses the namespace; requests are misses."""
+    result = DrillResult("", "")
+    prompts = ctx.prompts(11)
+    store = _store(ctx, capacity="64KiB")
+    try:
+        config = {"store_address": store.address, "chunk_tokens": 256, "min_hit_tokens": {}}
+        out = ctx.vllm([generate(prompts.a), METRICS], config)
+        tally(result, out[0], prompts.a, ctx.reference(prompts.a), timed=True)
+        add_counters(result, out[-1])
+    finally:
+        store.stop()
+    return result
+
+
+# -- 9. a store that hangs ----------------------------------------------------------------------
+
+
+def store_hung(ctx: DrillContext) -> DrillResult:
+    """The store stops answering (SIGSTOP) while every prompt arrives at once: requests go on
+    as misses within the deadlines, and the scheduler's time in kvtier per step stays within
+    one ``lookup_wait_ms`` budget plus its own work, however many requests wait (reported
+    per step, and the longest single call)."""
+    result = DrillResult("", "")
+    prompts = ctx.prompts(12)
+    store = _store(ctx)
+    try:
+        config = {"store_address": store.address, "lookup_deadline_ms": 500, "save_defer_s": 1}
+        phases = [
+            generate(prompts.a),
+            RESET,
+            {"op": "connector_timing"},
+            {"op": "signal", "pid": store.proc.pid, "signal": "SIGSTOP"},
+            generate(prompts.b) | {"batch": True},
+            {"op": "connector_timing"},
+            {"op": "signal", "pid": store.proc.pid, "signal": "SIGCONT"},
+            METRICS,
+        ]
+        out = ctx.vllm(phases, config)
+        reference = ctx.reference(prompts.a + prompts.b)
+        tally(result, out[0], prompts.a, reference)
+        tally(result, out[4], prompts.b, reference, timed=True)
+        add_counters(result, out[-1])
+        timing = out[5]
+        per_step = timing["seconds"] / max(1, timing["steps"])
+        result.counters["longest_hook_call_s"] = timing["longest"]
+        result.counters["scheduler_hook_s_per_step"] = per_step
+        result.notes.append(
+            f"scheduler hooks {per_step * 1e3:.2f} ms per step over {timing['steps']} steps "
+            f"(longest call {timing['longest'] * 1e3:.1f} ms)"
+        )
+    finally:
+        store.stop()
+    return result
+
+
+# -- concurrency: shared prefixes in flight, preemption, multi-token decode --------------------
+
+
+DECODE = 32  # tokens per request in the concurrent drill
+BLOCK_BYTES = 2 * 2 * 2 * 32 * 32 * 2  # tiny model: layers, K+V, heads, head_dim, 32 tokens, bf16
+
+
+def concurrent_failed_loads(ctx: DrillContext) -> DrillResult:
+    """Every prompt in flight at once, sharing prefixes, 32 tokens each, in a KV cache that
+    holds far fewer than are running (vLLM preempts), while every load's second chunk fails
+    its checksum: failed loads are followed by preemptions, re-admissions on vLLM's own prefix
+    cache and recomputes spread over steps. Then, faults off, the same prompts read back
+    whatever the faulty phase saved (also in flight at once)."""
+    result = DrillResult("", "")
+    prompts = ctx.prompts(21)
+    store = _store(ctx)
+    try:
+        config = {"store_address": store.address, "verify_loads": True}
+        fault = {
+            "op": "fault",
+            "kind": "corrupt_chunk",
+            "segment": store.ready["segment"],
+            "chunk": 1,
+            "every": True,
+        }
+        many = {"batch": True, "max_tokens": DECODE}
+        phases = [generate(prompts.a), RESET, fault, generate(prompts.b) | many]
+        phases += [live_leases(store), DISARM, RESET, generate(prompts.a), RESET]
+        phases += [generate(prompts.b) | many, live_leases(store), METRICS]
+        # 31 blocks of 32 tokens: two 456-token prompts fill 30; decoding past 480 tokens
+        # both need one more, and vLLM preempts the newer one
+        out = ctx.vllm(
+            phases, config, max_model_len=960, max_num_seqs=8, kv_cache_bytes=31 * BLOCK_BYTES
+        )
+        first = ctx.reference(prompts.a)
+        decoded = ctx.reference(prompts.b, max_tokens=DECODE)
+        tally(result, out[0], prompts.a, first)
+        tally(result, out[3], prompts.b, decoded, timed=True, batched=True)
+        tally(result, out[7], prompts.a, first)
+        tally(result, out[9], prompts.b, decoded, batched=True)
+        add_counters(result, out[-1])
+        preemptions = out[-1].get("vllm:num_preemptions", 0)
+        result.counters["preemptions"] = preemptions
+        result.notes.append(f"{preemptions:.0f} preemptions")
+        result.leaked_leases = max(out[4], out[10], _leases(store))
+    finally:
+        store.stop()
+    return result
+
+
+# -- the pool full of chunks nobody may evict ---------------------------------------------------
+
+
+def pool_full_pinned(ctx: DrillContext) -> DrillResult:
+    """Another client holds every page of the pool (write leases never committed): saves
+    answer no space, loads find nothing, outputs stay exact."""
+    from kvtier.core.keys import Namespace, prompt_keys
+    from kvtier.store.client.grpc import GrpcStoreClient
+    from kvtier.tiers.cpu import CpuTier
+
+    result = DrillResult("", "")
+    prompts = ctx.prompts(13)
+    store = _store(ctx, capacity="4MiB")
+    tier = CpuTier(GrpcStoreClient(store.address))
+    try:
+        ns = Namespace(model="filler", dtype="uint8", num_layers=1, num_kv_heads=1, head_size=1)
+        ns_id = tier.register_namespace(ns, 64 << 10)
+        keys = prompt_keys(ns.model_copy(update={"chunk_tokens": 1}), list(range(64)))
+        held = tier.allocate(ns_id, keys, 64 << 10, ttl_s=600)
+        config = {"store_address": store.address}
+        out = ctx.vllm([generate(prompts.a), RESET, generate(prompts.a), METRICS], config)
+        reference = ctx.reference(prompts.a)
+        tally(result, out[0], prompts.a, reference)
+        tally(result, out[2], prompts.a, reference, timed=True)
+        add_counters(result, out[-1])
+        held.abort()
+        result.leaked_leases = _leases(store)
+    finally:
+        tier.close()
+        store.stop()
+    return result
+
+
+DRILLS: dict[str, tuple[str, Callable[[DrillContext], DrillResult]]] = {
+    "restart-before-load": (
+        "the store restarts (same address) between a lookup and its load; the connector has "
+        "re-attached to the new store before the load job is built",
+        restart("before"),
+    ),
+    "restart-queued-load": (
+        "the store restarts after the load job is queued, before the workers copy",
+        restart("after"),
+    ),
+    "lapsed-lease": (
+        "the scheduler stalls past the lease between lookup and load; the step completes 3 "
+        "new chunks",
+        lapsed_lease,
+    ),
+    "checksum-mismatch": (
+        "one loaded chunk's bytes are overwritten (verify_loads); the step completes 3 new chunks",
+        checksum_mismatch,
+    ),
+    "copy-exception": (
+        "the worker's copy raises mid-load; the step completes 3 new chunks",
+        copy_exception,
+    ),
+    "missing-segment": (
+        "the pool's shared-memory file disappears while the store runs",
+        missing_segment,
+    ),
+    "store-killed-mid-load": (
+        "the store is SIGKILLed between lookup and load",
+        store_killed_mid_load,
+    ),
+    "weights-changed-in-place": (
+        "other weights saved over the same model path, same store",
+        weights_changed_in_place,
+    ),
+    "rope-override": (
+        "same weights, other rope_theta (hf_overrides), same store",
+        rope_override,
+    ),
+    "salt-with-newline": (
+        "a cache_salt with a line break and non-ASCII; another salt must not hit it",
+        salt_with_newline,
+    ),
+    "store-down-new-salt": (
+        "the store is dead when a request brings a salt never seen",
+        store_down_new_salt,
+    ),
+    "pool-too-small": ("a pool smaller than one chunk", pool_too_small),
+    "store-hung": (
+        "the store stops answering (SIGSTOP) while every request arrives at once",
+        store_hung,
+    ),
+    "concurrent-failed-loads": (
+        "every request in flight at once (shared prefixes, 32 tokens each, preempted by a small "
+        "KV cache) while every load's second chunk fails its checksum",
+        concurrent_failed_loads,
+    ),
+    "pool-full-pinned": (
+        "every page of the pool held by another client's uncommitted writes",
+        pool_full_pinned,
+    ),
+}

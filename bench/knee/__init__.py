@@ -1,0 +1,1 @@
+"""``kvtier bench knee``: how much GPU KV (and DRAM) a multi-turn workload needs."""

@@ -1,0 +1,132 @@
+"""``[connector]``: how a vLLM instance uses kvtier. vLLM's ``kv_connector_extra_config`` is
+this section's flags (see ``kvtier.connector.config``). The store and index it talks to are
+``[store]`` and ``[index]`` (``store.address``, ``index.address``): one place each."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kvtier.core.config.section import Section
+
+SavePolicy = Literal["none", "prompt", "prompt_and_output"]
+LoadMode = Literal["async", "sync"]
+TierName = Literal["cpu", "remote"]
+
+
+class ConnectorConfig(Section):
+    """How a vLLM instance uses kvtier."""
+
+    instance_id: str | None = Field(
+        None, description="this instance's identity in the index (default: vLLM's engine id)"
+    )
+    instance_host: str = Field(
+        "127.0.0.1", description="host the index reaches this vLLM's KV-event sockets at"
+    )
+    instance_api: str | None = Field(
+        None,
+        description="this instance's OpenAI API base URL (e.g. http://10.0.0.5:8000): "
+        "announced to the index so routers find it",
+    )
+    chunk_tokens: int = Field(
+        256,
+        ge=1,
+        description="tokens per chunk; a multiple of block_size. Larger chunks mean larger "
+        "copies: on an H200 a DRAM load reached 0.85 of a pinned cudaMemcpy with 256, 0.91 "
+        "with 512, 0.95 with 1024 (hits stop at the last whole chunk)",
+    )
+    tiers: list[TierName] = Field(default_factory=lambda: list[TierName](["cpu"]))
+    save: SavePolicy = Field(
+        "prompt_and_output",
+        description="which full chunks to store: none, prompt only, or prompt + generated "
+        "tokens (an agent's next turn resends its output)",
+    )
+    cuda_copy_kernel: bool = Field(
+        False,
+        description="CUDA: copy each layer's pages with one kernel over the pool's device "
+        "mapping instead of the copy engine. Faster for small pages (MLA with 64-token "
+        "blocks: 0.84 of the floor against 0.65) but it takes SMs from the forward, which "
+        "then hides far less of a layer-wise load (docs/benchmarks.md)",
+    )
+    load_mode: LoadMode = Field(
+        "sync",
+        description="sync: load inside the request's first step, layer by layer, each attention "
+        "layer waiting only for its own pages; async: the request waits while other requests "
+        "compute and is scheduled the step after its load (a whole extra step: on a busy CPU "
+        "engine, longer than the load)",
+    )
+    min_hit_tokens: dict[TierName, int] = Field(
+        default_factory=lambda: dict[TierName, int]({"cpu": 256, "remote": 1024}),
+        description="skip a tier whose run is shorter than this: below it, recomputing "
+        "is cheaper than the load's fixed cost",
+    )
+    lookup_wait_ms: float = Field(
+        5.0,
+        ge=0,
+        description="per engine step, wait at most this long in total for store lookups "
+        "before telling vLLM 'ask again' (one budget shared by every waiting request)",
+    )
+    max_pending_lookups: int = Field(
+        64,
+        ge=1,
+        description="lookups in flight at most; a request arriving past it is a miss "
+        "(recomputed) instead of queueing behind a slow store",
+    )
+    lookup_deadline_ms: float = Field(
+        5000.0,
+        gt=0,
+        description="a lookup still pending this long after it started answers 'no hit' "
+        "(the request recomputes) instead of 'ask again'",
+    )
+    save_wait_ms: float = Field(
+        2.0,
+        ge=0,
+        description="a step waits this long for pool space for the chunks it completes; a "
+        "later answer is used in a later step (the blocks are held until copied)",
+    )
+    save_defer_s: float = Field(
+        5.0, gt=0, description="pool space not granted by then: that save is given up"
+    )
+    store_timeout_s: float = Field(
+        2.0, gt=0, description="deadline of one control call to the node store"
+    )
+    weights_tag: str = Field(
+        "",
+        description="operator's tag for weights changed in place (e.g. the training step): "
+        "instances share chunks only with instances of the same tag",
+    )
+    on_reset: Literal["bump", "refuse"] = Field(
+        "bump",
+        description="reset_prefix_cache with a shared store: bump this instance's namespace "
+        "(it no longer reads chunks stored before) or refuse the reset",
+    )
+    fingerprint_weights: bool = Field(
+        True, description="read the weight files at start-up to fingerprint them (a few MB)"
+    )
+    max_namespaces: int = Field(
+        4096, ge=1, description="namespaces (salts x adapters) remembered before the oldest go"
+    )
+    lease_ttl_s: float = Field(60.0, gt=0, description="read leases held from lookup to load")
+    remote_fetch_timeout_s: float = Field(
+        2.0, gt=0, description="a pull from another node's store ends by then (else recompute)"
+    )
+    verify_loads: bool = Field(
+        True,
+        description="check each loaded chunk's checksum before vLLM uses it (an XXH3 pass over "
+        "its bytes: ~3 % of an 8k-token DRAM hit, docs/connector.md)",
+    )
+    model_id: str | None = Field(
+        None, description="model identity in chunk keys (default: vLLM's model name)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ConnectorConfig:
+        if len(set(self.tiers)) != len(self.tiers):
+            raise ValueError(f"tiers lists a tier twice: {self.tiers}")
+        if "remote" in self.tiers and self.lookup_deadline_ms < self.remote_fetch_timeout_s * 1e3:
+            raise ValueError(
+                "lookup_deadline_ms must exceed remote_fetch_timeout_s (a pull would always be "
+                "given up before it could finish)"
+            )
+        return self

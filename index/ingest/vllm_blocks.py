@@ -1,0 +1,515 @@
+"""vLLM blocks -> kvtier chunks, for one engine instance.
+
+vLLM names a cached block by an engine hash chained over its prefix; kvtier names a chunk of
+``chunk_tokens`` tokens by a canonical key chained the same way (docs/keys/spec.md). A
+``BlockStored`` event carries the token ids of its blocks and the hash of the block before
+them, which is enough to compute canonical keys without reproducing vLLM's hash (so neither
+its algorithm nor ``PYTHONHASHSEED`` matters). This module keeps, per engine hash, what the
+next block needs to continue the chain, and turns stored/removed/cleared blocks into
+stored/removed/cleared chunk entries.
+
+Geometry. With token offsets ``[start, end)`` per block (a block starts where its parent
+ends), a *window* is one chunk's span ``[w, w + C)``:
+
+- a block inside one window (block size divides C, the usual case) keeps its own tokens
+  (``tail``) until the window is complete; the block that ends the window gathers the tails
+  of its ancestors in that window and computes the chunk key;
+- a block covering whole windows (C divides the block size) computes its keys at once;
+- a block that straddles a window boundary partly (sizes that do not divide one another)
+  cannot be mapped and is *opaque*, as are blocks whose extra hash keys make their KV differ
+  from plain tokens (multimodal inputs, prompt embeddings) and blocks whose parent is unknown
+  (an event lost before the index started). Children of opaque blocks are opaque.
+
+A chunk is held in a medium when every block of its span is; a block removed from a medium
+removes every chunk whose span includes it. vLLM may cache the same hash in two physical
+blocks (two requests computing the same prefix at once) and then stores and removes it twice,
+so presence is a count per medium. Cache salts select a derived namespace (``cache_salt=`` the
+salt's digest) so their keys match a router that keys the same request; blocks of LoRA
+requests are opaque (their namespace names the adapter's weights, which events do not carry).
+
+Threading: not thread-safe; one mapper per instance, owned by its follower thread.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.core.chunks import Tier
+from kvtier.core.keys import Namespace, salt_digest
+from kvtier.core.keys import key_digest as _digest
+from kvtier.index.api import ChunkOp
+from kvtier.index.ingest.vllm_wire import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+)
+from kvtier.store.api.events import EventKind
+
+MEDIA: dict[str | None, int] = {"GPU": 0, "CPU": 1, "STORAGE": 2, None: 0}
+MEDIUM_TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
+_SHIFT = 20  # bits per medium in a block's packed presence counts
+_ONE = tuple(1 << (_SHIFT * m) for m in range(3))
+_COUNT = (1 << _SHIFT) - 1
+Keys = tuple[bytes, ...]  # one chunk's keys, one per namespace of the instance
+ChunkRef = tuple[Keys, BlockHash]  # a chunk and the block it ends in
+
+
+class _Window:
+    """One chunk's span of tokens along one prefix: shared by the blocks inside it (and by
+    the branches that fork inside it). Lives as long as a block refers to it."""
+
+    __slots__ = ("chain", "first", "live", "nsx", "spans", "start")
+
+    def __init__(self, chain: Keys, start: int, nsx: int, first: BlockHash) -> None:
+        self.chain = chain  # keys of the chunk before the window (the roots at offset 0)
+        self.start = start
+        self.nsx = nsx  # which derived namespace set
+        self.first = first  # hash of its first block (its name in BlockMapper._windows)
+        self.live = 0  # blocks referring to it
+        self.spans: dict[BlockHash, tuple[ChunkRef, ...]] | None = None  # block -> chunks via it
+
+
+# A block's record is a list (creating one costs half a __slots__ object, and the hot path
+# creates one per block). Field indices:
+PARENT = 0  # engine hash of the block before it (None for a prompt's first block)
+START = 1  # token offset of its first token
+END = 2  # token offset after its last token
+WIN = 3  # its _Window; None = opaque
+TAIL = 4  # its own tokens (u32le) while its window is open, else None
+REFS = 5  # presence count per medium, packed (_SHIFT bits each)
+DONE = 6  # keys of the chunks that end in it: tuple[Keys, ...]
+_Block = list  # [parent, start, end, win, tail, refs, done]
+
+
+class BlockMapper:
+    """Maps one instance's KV events to chunk ops. See the module docstring."""
+
+    def __init__(self, namespaces: Sequence[Namespace]) -> None:
+        if not namespaces:
+            raise ValueError("an instance serves at least one namespace")
+        sizes = {ns.chunk_tokens for ns in namespaces}
+        if len(sizes) != 1:
+            raise ValueError(f"an instance's namespaces share one chunk_tokens, got {sizes}")
+        self.chunk_tokens = sizes.pop()
+        self._base = tuple(namespaces)
+        self._nsets: list[tuple[bytes, ...]] = [tuple(ns.root_key() for ns in namespaces)]
+        self._nsx: dict[tuple[str, str], int] = {("", ""): 0}
+        self.new_namespaces: list[Namespace] = []  # derived ones not yet reported
+        self._blocks: dict[BlockHash, _Block] = {}
+        self._windows: dict[BlockHash, _Window] = {}
+        self._group: int | None = None  # the full-attention KV cache group we follow
+        self._pending: list[list[Any]] = []  # [kind, tier, {ns: [keys]}] in order
+        # chunks held per medium, counted: a chunk inside blocks larger than it can be held
+        # by several blocks (same first tokens, different rest)
+        self._chunks_held: list[dict[tuple[int, Keys], int]] = [{}, {}, {}]
+        self.counts: Counter[str] = Counter()
+
+    # -- public -----------------------------------------------------------------------------
+
+    @property
+    def blocks(self) -> int:
+        return len(self._blocks)
+
+    def namespace_ids(self) -> list[bytes]:
+        return [ns for nset in self._nsets for ns in nset]
+
+    def feed(self, events: Sequence[KvEvent]) -> None:
+        for event in events:
+            kind = type(event)
+            if kind is BlockStored:
+                self.stored(event)  # type: ignore[arg-type]
+            elif kind is BlockRemoved:
+                self.removed(event)  # type: ignore[arg-type]
+            elif kind is AllBlocksCleared:
+                self.cleared()
+
+    def take_ops(self) -> list[ChunkOp]:
+        """The chunk ops produced since the last call, in order."""
+        ops = [
+            ChunkOp(kind, tier, ns, tuple(keys))
+            for kind, tier, by_ns in self._pending
+            for ns, keys in (by_ns.items() if by_ns else [(b"", [])])
+        ]
+        self._pending = []
+        return ops
+
+    def holdings(self) -> dict[Tier, dict[bytes, list[bytes]]]:
+        """Every chunk held, per tier and namespace: the whole state, for a resync."""
+        out: dict[Tier, dict[bytes, list[bytes]]] = {}
+        for m, held in enumerate(self._chunks_held):
+            if held:
+                by_ns = out.setdefault(MEDIUM_TIERS[m], {})
+                for nsx, keys in held:
+                    for ns, key in zip(self._nsets[nsx], keys, strict=True):
+                        by_ns.setdefault(ns, []).append(key)
+        return out
+
+    def reset(self) -> None:
+        """Forget everything (the engine restarted)."""
+        self._blocks.clear()
+        self._windows.clear()
+        self._group = None
+        self._pending = []
+        self._chunks_held = [{}, {}, {}]
+
+    # -- events -----------------------------------------------------------------------------
+
+    def _follows(self, group: int | None, kind: str | None) -> bool:
+        if kind not in (None, "full_attention"):
+            return False
+        group = group or 0
+        if self._group is None:
+            self._group = group
+        return group == self._group
+
+    def stored(self, ev: BlockStored) -> None:
+        if not self._follows(ev.group_idx, ev.kv_cache_spec_kind):
+            self.counts["other_group"] += len(ev.block_hashes)
+            return
+        m = MEDIA.get(ev.medium, -1)
+        if m < 0:
+            self.counts["unknown_medium"] += 1
+            return
+        bs = ev.block_size
+        hashes = ev.block_hashes
+        blocks = self._blocks
+        if bs <= 0 or not ev.token_ids:  # token-less (an offloading tier): known hashes only
+            for h in hashes:
+                blk = blocks.get(h)
+                if blk is None:
+                    self.counts["unknown_hash"] += 1
+                else:
+                    self._add_ref(h, blk, m)
+            return
+        if len(ev.token_ids) != bs * len(hashes):
+            self.counts["malformed"] += 1
+            return
+        try:
+            data = _u32le(ev.token_ids)
+        except (OverflowError, TypeError):
+            self.counts["malformed"] += 1
+            return
+        parent_hash = ev.parent_block_hash
+        parent = None if parent_hash is None else blocks.get(parent_hash)
+        if parent_hash is not None and parent is None:
+            self.counts["unknown_parent"] += 1
+        extra = ev.extra_keys
+        plain = extra is None and ev.lora_name is None
+        self.counts["blocks"] += len(hashes)
+        width = 4 * bs
+        start = first = fresh = 0 if parent is None else parent[END]
+        one = _ONE[m]
+        C = self.chunk_tokens
+        get = blocks.get
+        for i, h in enumerate(hashes):
+            blk = get(h)
+            if blk is not None:  # already cached (a duplicate block): one more copy
+                self._add_ref(h, blk, m)
+                parent_hash, parent, start = h, blk, blk[END]
+                fresh = start  # blocks from here on are new in this event
+                continue
+            end = start + bs
+            if parent is not None:
+                win = parent[WIN]
+                if win is not None and (plain or _plain_extra(ev, extra[i] if extra else None)):
+                    offset = start % C
+                    if offset and offset + bs < C and not win.spans:
+                        # the hot path: a block in the middle of a chunk nobody completed yet
+                        pos = i * width
+                        blocks[h] = blk = [parent_hash, start, end, win, data[pos : pos + width],
+                                           one, ()]  # fmt: skip
+                        win.live += 1
+                        parent_hash, parent, start = h, blk, end
+                        continue
+                    blocks[h] = blk = [parent_hash, start, end, None, None, one, ()]
+                    if offset and offset + bs == C and end - C >= fresh:
+                        # it completes a chunk whose blocks all arrived new in this event:
+                        # their tokens are in `data` and they are all present in medium m
+                        self._complete(h, blk, win, data, (end - C - first) * 4, hashes, i, m)
+                        parent_hash, parent, start = h, blk, end
+                        continue
+                    tokens = data[i * width : (i + 1) * width]
+                    self._place(h, blk, parent, tokens, win.nsx, m)
+                else:
+                    blocks[h] = blk = [parent_hash, start, end, None, None, one, ()]
+            elif parent_hash is None:  # a prompt's first block
+                blocks[h] = blk = [parent_hash, start, end, None, None, one, ()]
+                nsx = 0 if plain else self._namespace_set(ev, extra[i] if extra else None)
+                if nsx >= 0:
+                    self._place(h, blk, None, data[i * width : (i + 1) * width], nsx, m)
+            else:  # its parent is unknown (stored before we listened)
+                blocks[h] = blk = [parent_hash, start, end, None, None, one, ()]
+            win = blk[WIN]
+            if win is None:  # its parent is unknown (stored before we listened) or opaque
+                self.counts["opaque"] += 1
+            elif blk[TAIL] is not None and win.spans is not None and h in win.spans:
+                # re-stored in the middle of chunks whose other blocks are still cached
+                self._recheck(h, blk, m, EventKind.STORED)
+            parent_hash, parent, start = h, blk, end
+
+    def removed(self, ev: BlockRemoved) -> None:
+        if ev.group_idx is not None and self._group is not None and ev.group_idx != self._group:
+            return
+        m = MEDIA.get(ev.medium, -1)
+        if m < 0:
+            self.counts["unknown_medium"] += 1
+            return
+        shift = _SHIFT * m
+        for h in ev.block_hashes:
+            blk = self._blocks.get(h)
+            if blk is None or not (blk[REFS] >> shift) & _COUNT:
+                self.counts["unknown_hash"] += 1
+                continue
+            if (blk[REFS] >> shift) & _COUNT == 1:
+                self._recheck(h, blk, m, EventKind.REMOVED)  # while still counted as held
+            blk[REFS] -= _ONE[m]
+            if not blk[REFS]:
+                self._forget(h, blk)
+
+    def cleared(self) -> None:
+        """AllBlocksCleared: vLLM reset its (GPU) prefix cache."""
+        self._pending.append([EventKind.CLEARED, Tier.GPU, {}])
+        self._chunks_held[0] = {}
+        for h, blk in list(self._blocks.items()):
+            if blk[REFS] & _COUNT:
+                blk[REFS] &= ~_COUNT
+                if not blk[REFS]:
+                    self._forget(h, blk)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _place(
+        self, h: BlockHash, blk: _Block, parent: _Block | None, tokens: bytes, nsx: int, m: int
+    ) -> None:
+        """Give the new block ``blk`` (present in medium ``m``) its window; compute and emit
+        the chunks it completes, or keep its tokens for the block that will."""
+        C = self.chunk_tokens
+        start, end = blk[START], blk[END]
+        if start % C == 0:  # begins a window
+            if parent is None:
+                chain = self._nsets[nsx]
+            elif parent[DONE]:
+                chain = parent[DONE][-1]
+            else:  # pragma: no cover - a parent ending on a boundary completed a chunk
+                return
+        if start // C == (end - 1) // C:  # inside one window
+            if start % C == 0:
+                win = self._windows.get(h)
+                if win is None or win.chain != chain:
+                    win = self._windows[h] = _Window(chain, start, nsx, h)
+            else:
+                assert parent is not None
+                win = parent[WIN]
+                assert win is not None
+            win.live += 1
+            blk[WIN] = win
+            if end % C:
+                blk[TAIL] = tokens
+                return
+            shift = _SHIFT * m
+            held = True
+            parts, path = [tokens], [h]
+            cur: _Block = blk
+            get = self._blocks.get
+            while cur[START] > win.start:  # gather the window's earlier blocks on this path
+                ph = cur[PARENT]
+                parent_blk = get(ph)
+                if parent_blk is None or parent_blk[WIN] is not win or parent_blk[TAIL] is None:
+                    self._release(blk)  # an ancestor in the window is gone: cannot key it
+                    return
+                cur = parent_blk
+                parts.append(cur[TAIL])
+                path.append(ph)
+                if held and not (cur[REFS] >> shift) & _COUNT:
+                    held = False
+            parts.reverse()
+            body = b"".join(parts)
+            keys = tuple(_digest(k + body) for k in win.chain)
+            blk[DONE] = (keys,)
+            one = ((keys, h),)
+            spans = win.spans
+            if spans is None:  # the usual case: the first chunk completed in this window
+                win.spans = dict.fromkeys(path, one)
+            else:
+                for bh in path:
+                    got = spans.get(bh)
+                    if got is None:
+                        spans[bh] = one
+                    elif one[0] not in got:
+                        spans[bh] = got + one
+            if held:
+                self._emit(EventKind.STORED, m, win, keys)
+        elif start % C == 0 and end % C == 0:  # whole windows in one block
+            win = _Window(chain, start, nsx, h)
+            win.live = 1
+            blk[WIN] = win
+            done, step = [], 4 * C
+            for off in range(0, len(tokens), step):
+                chain = tuple(_digest(k + tokens[off : off + step]) for k in chain)
+                done.append(chain)
+                self._emit(EventKind.STORED, m, win, chain)
+            blk[DONE] = tuple(done)
+        else:
+            self.counts["unaligned"] += 1
+
+    def _complete(
+        self,
+        h: BlockHash,
+        blk: _Block,
+        win: _Window,
+        data: bytes,
+        offset: int,
+        hashes: list[BlockHash],
+        i: int,
+        m: int,
+    ) -> None:
+        """``_place`` for a chunk that arrived whole in one event (no walk needed)."""
+        body = data[offset : offset + 4 * self.chunk_tokens]
+        chain = win.chain
+        keys = (
+            (_digest(chain[0] + body),)
+            if len(chain) == 1
+            else tuple(_digest(k + body) for k in chain)
+        )
+        win.live += 1
+        blk[WIN] = win
+        blk[DONE] = (keys,)
+        one = ((keys, h),)
+        blocks_in_chunk = (blk[END] - win.start) // (blk[END] - blk[START])
+        path = hashes[i + 1 - blocks_in_chunk : i + 1]
+        spans = win.spans
+        if spans is None:
+            win.spans = dict.fromkeys(path, one)
+        else:
+            for bh in path:
+                got = spans.get(bh)
+                if got is None:
+                    spans[bh] = one
+                elif one[0] not in got:
+                    spans[bh] = got + one
+        self._emit(EventKind.STORED, m, win, keys)
+
+    def _namespace_set(self, ev: BlockStored, extra: Any) -> int:
+        """Derived namespace set of a prompt's first block (-1 = opaque)."""
+        lora = ev.lora_name or ""
+        if lora:
+            # A LoRA namespace holds the adapter's weights fingerprint, which its name does
+            # not give: such blocks stay unknown to the index (a miss for routers, never a
+            # wrong hit).
+            return -1
+        items = list(extra) if extra else []
+        salt = ""
+        for item in items:
+            if not isinstance(item, str) or salt:
+                return -1  # multimodal (mm_hash, offset) pairs, prompt-embedding digests
+            salt = item  # cache_salt
+        key = (lora, salt)
+        nsx = self._nsx.get(key)
+        if nsx is None:
+            digest = salt_digest(salt)
+            derived = [
+                ns.model_copy(update={"cache_salt": digest or ns.cache_salt}) for ns in self._base
+            ]
+            nsx = len(self._nsets)
+            self._nsets.append(tuple(ns.root_key() for ns in derived))
+            self._nsx[key] = nsx
+            self.new_namespaces.extend(derived)
+        return nsx
+
+    def _held(self, h: BlockHash, blk: _Block, m: int) -> bool:
+        """Is the chunk ending in ``blk`` held in medium ``m`` (every block of it present)?"""
+        shift = _SHIFT * m
+        if blk[END] - blk[START] > self.chunk_tokens:  # whole windows in one block
+            return bool((blk[REFS] >> shift) & _COUNT)
+        win = blk[WIN]
+        cur: _Block | None = blk
+        while True:
+            if cur is None or cur[WIN] is not win or not (cur[REFS] >> shift) & _COUNT:
+                return False
+            if cur[START] <= win.start:
+                return True
+            cur = self._blocks.get(cur[PARENT])
+
+    def _recheck(self, h: BlockHash, blk: _Block, m: int, kind: EventKind) -> None:
+        """``blk`` just appeared in medium ``m`` / is about to leave it: emit every chunk
+        through it that this completes / breaks."""
+        win = blk[WIN]
+        if win is None:
+            return
+        if blk[END] - blk[START] > self.chunk_tokens:
+            if (blk[REFS] >> (_SHIFT * m)) & _COUNT:
+                for keys in blk[DONE]:
+                    self._emit(kind, m, win, keys)
+            return
+        for keys, end_hash in (win.spans or {}).get(h, ()):
+            last = self._blocks.get(end_hash)
+            if last is not None and last[WIN] is win and self._held(end_hash, last, m):
+                self._emit(kind, m, win, keys)
+
+    def _add_ref(self, h: BlockHash, blk: _Block, m: int) -> None:
+        first = not (blk[REFS] >> (_SHIFT * m)) & _COUNT
+        blk[REFS] += _ONE[m]
+        if first:
+            self._recheck(h, blk, m, EventKind.STORED)
+
+    def _emit(self, kind: EventKind, m: int, win: _Window, keys: Keys) -> None:
+        held = self._chunks_held[m]
+        name = (win.nsx, keys)
+        count = held.get(name, 0)
+        if kind is EventKind.STORED:
+            held[name] = count + 1
+            if count:
+                return
+        elif count > 1:
+            held[name] = count - 1
+            return
+        elif count == 1:
+            del held[name]
+        else:  # pragma: no cover - every removal follows its store
+            return
+        tier = MEDIUM_TIERS[m]
+        pending = self._pending
+        if pending and pending[-1][0] is kind and pending[-1][1] is tier:
+            by_ns = pending[-1][2]
+        else:
+            by_ns = {}
+            pending.append([kind, tier, by_ns])
+        for ns, key in zip(self._nsets[win.nsx], keys, strict=True):
+            got = by_ns.get(ns)
+            if got is None:
+                by_ns[ns] = [key]
+            else:
+                got.append(key)
+
+    def _release(self, blk: _Block) -> None:
+        win: _Window | None = blk[WIN]
+        blk[WIN] = None
+        if win is not None:
+            win.live -= 1
+            first = win.first
+            if not win.live and self._windows.get(first) is win:
+                del self._windows[first]
+
+    def _forget(self, h: BlockHash, blk: _Block) -> None:
+        del self._blocks[h]
+        self._release(blk)
+
+
+def _plain_extra(ev: BlockStored, extra: Any) -> bool:
+    """A later block's extra keys may only repeat the LoRA name."""
+    if not extra:
+        return True
+    return list(extra) == [ev.lora_name] if ev.lora_name else False
+
+
+def _u32le(tokens: list[int]) -> bytes:
+    packed = array.array("I", tokens)
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()

@@ -1,0 +1,346 @@
+"""gRPC front of a node store (``store.proto``).
+
+Each RPC decodes its request, calls the wrapped ``StoreClient`` (a ``NodeStore``, usually inside
+a ``MeteredStore``), and encodes the reply. Errors leave as a gRPC status with the kvtier code in
+trailing metadata; a request from a client attached to a previous store epoch is refused.
+
+Threading: gRPC runs handlers on its thread pool; the wrapped store is thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvtier.core import rpc
+from kvtier.core.auth import NONCE_BYTES, Permission, prove
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import MAX_NAMESPACE_JSON_BYTES, Namespace, unpack_keys
+from kvtier.store.api import StoreClient
+from kvtier.store.api.events import EventGap
+from kvtier.store.client import wire
+from kvtier.store.proto import store_pb2 as pb
+from kvtier.store.proto import store_pb2_grpc
+from kvtier.store.state.corestate import unknown_namespace
+
+log = logging.getLogger(__name__)
+
+P = Permission
+# Who may call what (docs/security.md). A method missing here is refused to everyone.
+STORE_PERMISSIONS: Mapping[str, Permission] = {
+    "Info": P.STORE_INFO,
+    "Prove": P.PUBLIC,  # before a caller presents its token here (docs/security.md)
+    "RegisterNamespace": P.STORE_DATA,
+    "Lookup": P.STORE_DATA,
+    "Allocate": P.STORE_DATA,
+    "Commit": P.STORE_DATA,
+    "Abort": P.STORE_DATA,
+    "Release": P.STORE_DATA,
+    "Renew": P.STORE_DATA,
+    "Delete": P.STORE_DATA,
+    "Fetch": P.STORE_DATA,
+    "OpenSession": P.STORE_DATA,
+    "Heartbeat": P.STORE_DATA,
+    "CloseSession": P.STORE_DATA,
+    "Clear": P.STORE_ADMIN,
+    "Stats": P.STORE_OBSERVE,
+    "Snapshot": P.STORE_OBSERVE,
+    "ReadEvents": P.STORE_OBSERVE,
+    "LeaseForPeer": P.STORE_PEER,
+}
+
+
+class TenantGate:
+    """Which tenant (salt digest) each namespace id belongs to, so a tenant's engine touches
+    only its own. An engine limited to some tenants gets the same answer for a namespace that
+    is another tenant's as for one never registered: it cannot probe which exist.
+
+    It keeps no table of its own: ``tenant_of`` reads the store's (an id's salt is part of
+    what the id hashes, so it never changes). A table here grew with every namespace anyone
+    tried to register, refused or long retired."""
+
+    def __init__(self, tenant_of: Callable[[bytes], str | None]) -> None:
+        """``tenant_of``: the salt digest of a registered namespace id, None otherwise."""
+        self._tenant_of = tenant_of
+
+    def register(self, namespace: Namespace) -> None:
+        caller = rpc.caller()
+        if not caller.may_use_salt(namespace.cache_salt):
+            raise KvtierError(
+                ErrorCode.PERMISSION_DENIED,
+                f"{caller.name} may not use this namespace's tenant (cache_salt)",
+            )
+
+    def check(self, ns_id: bytes) -> None:
+        caller = rpc.caller()
+        if caller.salts is None:
+            return
+        salt = self._tenant_of(ns_id)
+        if salt is None or not caller.may_use_salt(salt):
+            raise unknown_namespace(ns_id)  # the store's own words for one never registered
+
+
+def _tenant_reader(store: StoreClient) -> Callable[[bytes], str | None]:
+    """How the gate reads a namespace's tenant: from the store's table (a ``NodeStore``,
+    under a ``MeteredStore``)."""
+    inner: Any = getattr(store, "inner", store)
+    core = getattr(inner, "core", None)
+    if core is None:
+        raise TypeError(f"{type(store).__name__} has no store core to read namespaces from")
+    reader: Callable[[bytes], str | None] = core.namespace_salt
+    return reader
+
+
+def require_session(session: int, what: str) -> None:
+    """A lease taken over gRPC belongs to a session: the store bounds what each session
+    holds (``store.max_leases_per_session``), and a lease without one would escape that."""
+    if not session:
+        raise KvtierError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"{what} needs a session: open one (OpenSession) and pass its id",
+        )
+
+
+class StoreServicer(store_pb2_grpc.StoreServicer):
+    def __init__(
+        self,
+        store: StoreClient,
+        own_token: str | None = None,
+        tenant_of: Callable[[bytes], str | None] | None = None,
+    ) -> None:
+        """``own_token``: this store's credential, proved (never sent) to ``Prove`` callers.
+        ``tenant_of``: a registered namespace's salt digest (default: read from ``store``'s
+        core)."""
+        self.store = store
+        self._own_token = own_token
+        self.epoch = store.info().epoch
+        self.tenants = TenantGate(tenant_of or _tenant_reader(store))
+
+    def check(self, request: Any) -> None:
+        """Refuse a client attached to a previous incarnation: its offsets mean nothing here."""
+        epoch = getattr(request, "epoch", None)
+        if epoch and epoch != self.epoch:
+            raise KvtierError(
+                ErrorCode.STALE_EPOCH,
+                f"store restarted: client epoch {epoch:016x}, store epoch {self.epoch:016x}",
+            )
+
+    @rpc.handler
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
+        info = self.store.info()
+        return pb.InfoReply(
+            node_id=info.node_id,
+            epoch=info.epoch,
+            segment_name=info.segment_name,
+            segment_size=info.segment_size,
+            page_size=info.page_size,
+            version=info.version,
+            transfer_address=info.transfer_address,
+            transfer_base=info.transfer_base,
+            lease_ttl_s=info.lease_ttl_s,
+            session_timeout_s=info.session_timeout_s,
+        )
+
+    @rpc.handler
+    def Prove(self, request: pb.ProveRequest, context: grpc.ServicerContext) -> pb.ProveReply:
+        low, high = NONCE_BYTES
+        if not low <= len(request.nonce) <= high:
+            raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"a nonce is {low}-{high} bytes")
+        if self._own_token is None:
+            return pb.ProveReply()
+        return pb.ProveReply(proof=prove(self._own_token, request.nonce))
+
+    @rpc.handler
+    def RegisterNamespace(
+        self, request: pb.RegisterNamespaceRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterNamespaceReply:
+        size = len(request.namespace_json)
+        if size > MAX_NAMESPACE_JSON_BYTES:  # before parsing it: kept, it would cost that much
+            raise KvtierError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"a namespace definition is at most {MAX_NAMESPACE_JSON_BYTES} bytes of JSON, "
+                f"got {size}",
+            )
+        try:
+            namespace = Namespace.model_validate_json(request.namespace_json)
+        except ValueError as exc:
+            raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"bad namespace: {exc}") from exc
+        self.tenants.register(namespace)  # refused before it exists
+        ns_id = self.store.register_namespace(namespace, request.chunk_bytes)
+        return pb.RegisterNamespaceReply(ns_id=ns_id)
+
+    @rpc.handler
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
+        self.tenants.check(request.ns_id)
+        ttl = request.lease_ttl_s if request.lease_ttl_s > 0 else None
+        if ttl is not None:
+            require_session(request.session, "a leased lookup")
+        result = self.store.lookup(
+            request.ns_id, unpack_keys(request.keys), ttl, session=request.session
+        )
+        return pb.LookupReply(
+            hits=wire.locations_to_pb(result.hits),
+            stop=wire.LOOKUP_STATUS[result.stop],
+            lease_id=result.lease_id,
+            lease_ttl_s=result.lease_ttl_s,
+        )
+
+    @rpc.handler
+    def Allocate(
+        self, request: pb.AllocateRequest, context: grpc.ServicerContext
+    ) -> pb.AllocateReply:
+        self.tenants.check(request.ns_id)
+        require_session(request.session, "allocate")
+        ttl = request.ttl_s if request.ttl_s > 0 else None
+        result = self.store.allocate(
+            request.ns_id,
+            unpack_keys(request.keys),
+            list(request.sizes),
+            ttl,
+            session=request.session,
+        )
+        reply = pb.AllocateReply(
+            lease_id=result.lease_id,
+            lease_ttl_s=result.lease_ttl_s,
+            allocated=wire.locations_to_pb([loc for loc in result.locations if loc is not None]),
+        )
+        reply.statuses.extend(wire.ALLOC_STATUS[s] for s in result.statuses)
+        return reply
+
+    @rpc.handler
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
+        keys = unpack_keys(request.keys) if request.keys else None
+        committed = self.store.commit(request.lease_id, keys, list(request.checksums))
+        return pb.CommitReply(committed=committed)
+
+    @rpc.handler
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
+        keys = unpack_keys(request.keys) if request.keys else None
+        return pb.AbortReply(aborted=self.store.abort(request.lease_id, keys))
+
+    @rpc.handler
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
+        statuses = self.store.release(list(request.lease_ids))
+        reply = pb.ReleaseReply()
+        reply.statuses.extend(wire.LEASE_STATUS[s] for s in statuses)
+        return reply
+
+    @rpc.handler
+    def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
+        ttl = request.ttl_s if request.ttl_s > 0 else None
+        return pb.RenewReply(ttl_s=self.store.renew(request.lease_id, ttl))
+
+    @rpc.handler
+    def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
+    ) -> pb.OpenSessionReply:
+        session = self.store.open_session()
+        return pb.OpenSessionReply(session=session, timeout_s=self.store.info().session_timeout_s)
+
+    @rpc.handler
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatReply:
+        return pb.HeartbeatReply(alive=self.store.heartbeat(request.session))
+
+    @rpc.handler
+    def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
+    ) -> pb.CloseSessionReply:
+        return pb.CloseSessionReply(released=self.store.close_session(request.session))
+
+    @rpc.handler
+    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:
+        self.tenants.check(request.ns_id)
+        return pb.DeleteReply(deleted=self.store.delete(request.ns_id, unpack_keys(request.keys)))
+
+    @rpc.handler
+    def Clear(self, request: pb.ClearRequest, context: grpc.ServicerContext) -> pb.ClearReply:
+        return pb.ClearReply(cleared=self.store.clear())
+
+    @rpc.handler
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
+        return pb.StatsReply(stats_json=json.dumps(self.store.stats()))
+
+    @rpc.handler
+    def Snapshot(
+        self, request: pb.SnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.SnapshotReply:
+        snap = self.store.snapshot()
+        info = self.store.info()
+        return pb.SnapshotReply(
+            seq=snap.seq,
+            node_id=info.node_id,
+            epoch=info.epoch,
+            chunks=[
+                pb.NamespaceChunks(ns_id=ns, keys=b"".join(keys))
+                for ns, keys in snap.chunks.items()
+            ],
+        )
+
+    @rpc.handler
+    def ReadEvents(
+        self, request: pb.ReadEventsRequest, context: grpc.ServicerContext
+    ) -> pb.ReadEventsReply:
+        timeout = min(max(request.timeout_s, 0.0), 30.0)
+        got = self.store.read_events(
+            max(1, request.from_seq), request.max_batches or 256, timeout or None
+        )
+        if isinstance(got, EventGap):
+            return pb.ReadEventsReply(gap_oldest=got.oldest)
+        return pb.ReadEventsReply(batches=[wire.batch_to_pb(b) for b in got])
+
+    @rpc.handler
+    def LeaseForPeer(
+        self, request: pb.LookupRequest, context: grpc.ServicerContext
+    ) -> pb.LookupReply:
+        require_session(request.session, "LeaseForPeer")
+        ttl = request.lease_ttl_s if request.lease_ttl_s > 0 else None
+        result = self.store.lease_for_peer(
+            request.ns_id, unpack_keys(request.keys), ttl, session=request.session
+        )
+        return pb.LookupReply(
+            hits=wire.locations_to_pb(result.hits),
+            stop=wire.LOOKUP_STATUS[result.stop],
+            lease_id=result.lease_id,
+            lease_ttl_s=result.lease_ttl_s,
+        )
+
+    @rpc.handler
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchReply:
+        self.tenants.check(request.ns_id)
+        timeout = request.timeout_s if request.timeout_s > 0 else None
+        result = self.store.fetch(request.ns_id, unpack_keys(request.keys), request.holder, timeout)
+        return wire.fetch_to_pb(result)
+
+
+def start_grpc_server(
+    store: StoreClient,
+    host: str,
+    port: int,
+    workers: int = 16,
+    security: rpc.ServerSecurity | None = None,
+    unix_socket: Path | None = None,
+    max_message_bytes: int = rpc.MESSAGE_LIMIT,
+    tenant_of: Callable[[bytes], str | None] | None = None,
+) -> tuple[grpc.Server, int]:
+    """Serve ``store`` on host:port (port 0 picks a free one) and ``unix_socket``. Returns
+    (server, bound port). ``security``: who may call what (``STORE_PERMISSIONS``).
+    ``tenant_of``: a registered namespace's salt digest (``TenantGate``)."""
+    own_token = security.own_token if security is not None else None
+    servicer = StoreServicer(store, own_token, tenant_of)
+    return rpc.start_server(
+        [(store_pb2_grpc.add_StoreServicer_to_server, servicer)],
+        host,
+        port,
+        workers,
+        "kvtier-grpc",
+        security=security,
+        unix_socket=unix_socket,
+        max_message_bytes=max_message_bytes,
+    )

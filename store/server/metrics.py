@@ -1,0 +1,270 @@
+"""Prometheus metrics for a store, kept out of the store's logic.
+
+- ``MeteredStore`` wraps any ``StoreClient`` and times every operation (a histogram per op);
+  remote fetches also get their own latency histogram and counters by outcome and bytes.
+- ``StoreCollector`` turns the store's own ``stats()`` into gauges and counters at scrape time
+  (capacity, bytes used/pinned/being written, chunks, leases, hits and misses by tier,
+  evictions, expired leases), so the hot path pays nothing for them.
+
+Each service builds its own ``CollectorRegistry``: no process-global metric state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvtier.core.keys import Namespace
+from kvtier.store.api import StoreClient, StoreInfo
+from kvtier.store.api.events import EventBatch, EventGap
+from kvtier.store.api.remote import FetchResult, FetchStatus
+from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
+
+# Seconds; control-plane ops run from tens of microseconds to a few milliseconds.
+LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
+# A fetch moves data over the network: up to its deadline (seconds).
+FETCH_BUCKETS = (5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class MeteredStore(StoreClient):
+    def __init__(self, inner: StoreClient, registry: CollectorRegistry) -> None:
+        self.inner = inner
+        self._latency = Histogram(
+            "kvtier_store_op_seconds",
+            "Latency of store control operations, by operation",
+            ["op"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._fetch_latency = Histogram(
+            "kvtier_store_fetch_seconds",
+            "Latency of remote fetches (lease at the holder, transfer, verify, commit)",
+            buckets=FETCH_BUCKETS,
+            registry=registry,
+        )
+        self._fetches = Counter(
+            "kvtier_store_fetches",
+            "Remote fetches by outcome (ok, or why the local prefix fell short)",
+            ["status"],
+            registry=registry,
+        )
+        self._fetch_bytes = Counter(
+            "kvtier_store_fetch_bytes", "Bytes pulled from peer stores", registry=registry
+        )
+        for status in FetchStatus:
+            self._fetches.labels(status.value)
+
+    def _timed(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._latency.labels(op).observe(time.perf_counter() - start)
+
+    def info(self) -> StoreInfo:
+        return self.inner.info()
+
+    def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
+        return self._timed(
+            "register_namespace", self.inner.register_namespace, namespace, chunk_bytes
+        )
+
+    def lookup(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease_ttl_s: float | None = None,
+        *,
+        session: int = 0,
+    ) -> LookupResult:
+        return self._timed(
+            "lookup", lambda: self.inner.lookup(ns_id, keys, lease_ttl_s, session=session)
+        )
+
+    def allocate(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        ttl_s: float | None = None,
+        *,
+        session: int = 0,
+    ) -> AllocateResult:
+        return self._timed(
+            "allocate", lambda: self.inner.allocate(ns_id, keys, sizes, ttl_s, session=session)
+        )
+
+    def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
+        return self._timed("commit", self.inner.commit, lease_id, keys, checksums)
+
+    def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int:
+        return self._timed("abort", self.inner.abort, lease_id, keys)
+
+    def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
+        return self._timed("release", self.inner.release, lease_ids)
+
+    def renew(self, lease_id: int, ttl_s: float | None = None) -> float:
+        return self._timed("renew", self.inner.renew, lease_id, ttl_s)
+
+    def open_session(self) -> int:
+        return self._timed("open_session", self.inner.open_session)
+
+    def heartbeat(self, session: int) -> bool:
+        return self._timed("heartbeat", self.inner.heartbeat, session)
+
+    def close_session(self, session: int) -> int:
+        return self._timed("close_session", self.inner.close_session, session)
+
+    def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
+        return self._timed("delete", self.inner.delete, ns_id, keys)
+
+    def clear(self) -> int:
+        return self._timed("clear", self.inner.clear)
+
+    def stats(self) -> dict[str, int | float | str]:
+        return self.inner.stats()
+
+    def snapshot(self) -> Snapshot:
+        return self._timed("snapshot", self.inner.snapshot)
+
+    def read_events(
+        self, from_seq: int, max_batches: int = 256, timeout: float | None = None
+    ) -> list[EventBatch] | EventGap:
+        return self.inner.read_events(from_seq, max_batches, timeout)
+
+    def lease_for_peer(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease_ttl_s: float | None = None,
+        timeout_s: float | None = None,
+        *,
+        session: int = 0,
+    ) -> LookupResult:
+        return self._timed(
+            "lease_for_peer",
+            lambda: self.inner.lease_for_peer(ns_id, keys, lease_ttl_s, timeout_s, session=session),
+        )
+
+    def fetch(
+        self, ns_id: bytes, keys: Sequence[bytes], holder: str, timeout_s: float | None = None
+    ) -> FetchResult:
+        start = time.perf_counter()
+        result = self.inner.fetch(ns_id, keys, holder, timeout_s)
+        self._fetch_latency.observe(time.perf_counter() - start)
+        self._fetches.labels(result.status.value).inc()
+        self._fetch_bytes.inc(result.bytes)
+        return result
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+_GAUGES = {
+    "capacity_bytes": "Pool capacity",
+    "used_bytes": "Bytes in allocated pages (committed, being written, or awaiting unpin)",
+    "committed_bytes": "Bytes of readable chunks",
+    "pinned_bytes": "Bytes of chunks pinned by read leases",
+    "writing_bytes": "Bytes of chunks being written",
+    "largest_free_run_bytes": "Largest contiguous free run",
+    "chunks": "Readable chunks",
+    "writing_chunks": "Chunks being written",
+    "namespaces": "Registered namespaces",
+    "read_leases": "Outstanding read leases",
+    "write_leases": "Outstanding write leases",
+    "sessions": "Open client sessions",
+    "event_seq": "Sequence number of the newest event batch",
+}
+_COUNTERS = {
+    "lookups": "Lookup calls",
+    "evictions": "Chunks evicted to make room",
+    "commits": "Chunks committed",
+    "aborts": "Allocated chunks given back unwritten",
+    "deletes": "Chunks deleted",
+    "no_space": "Chunks not stored: everything left was pinned or being written",
+    "exists": "Puts of chunks already stored (idempotent)",
+    "expired_read": "Read leases that expired before release",
+    "expired_write": "Write leases that expired before commit",
+    "quarantined": "Chunks whose pages were quarantined after a failed remote transfer",
+    "quota_evictions": "Chunks a tenant at its quota evicted of its own to make room",
+    "quota_no_space": "Chunks not stored: their tenant was at its quota",
+    "sessions_opened": "Client sessions opened",
+    "sessions_closed": "Client sessions closed by their client",
+    "sessions_expired": "Client sessions ended for want of a heartbeat (the client died)",
+    "session_released_read": "Read leases ended with their session (chunks unpinned)",
+    "session_released_write": "Write leases ended with their session (allocations aborted)",
+    "namespaces_retired": "Namespaces forgotten: no chunks left and unused for a while",
+}
+# Per tenant, by name (unlisted tenants summed as "other"; never a salt or its digest).
+_TENANT_GAUGES = {
+    "tenant_used_bytes": "Bytes a tenant holds (committed or being written)",
+    "tenant_quota_bytes": "Most bytes a tenant may hold",
+    "tenant_floor_bytes": "Bytes of a tenant no other tenant's allocation may evict",
+}
+# Present when the remote tier is enabled.
+_REMOTE_GAUGES = {
+    "quarantined_bytes": "Bytes held back from reuse: a failed transfer may still write them",
+    "remote_inflight_ops": "Transfer-engine reads in flight",
+}
+_REMOTE_COUNTERS = {
+    "remote_fetched_chunks": "Chunks pulled from peers, verified and committed",
+    "remote_fetched_bytes": "Bytes pulled from peers, verified and committed",
+    "remote_checksum_mismatches": "Chunks from peers whose bytes failed their checksum",
+    "remote_served_chunks": "Chunks leased to peers for reading",
+    "remote_served_bytes": "Bytes leased to peers for reading",
+    "remote_demoted_chunks": "Chunks moved to a peer instead of being evicted",
+    "remote_demoted_bytes": "Bytes moved to a peer instead of being evicted",
+    "remote_demotion_failures": "Demotion rounds that moved nothing (no peer with room, errors)",
+}
+
+
+class StoreCollector(Collector):
+    """Reads ``stats()`` at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        for name, doc in _GAUGES.items():
+            yield GaugeMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])
+        for name, doc in _COUNTERS.items():
+            yield CounterMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])
+        chunks = CounterMetricFamily(
+            "kvtier_store_lookup_chunks", "Chunks asked for by lookups", labels=["tier", "result"]
+        )
+        chunks.add_metric(["cpu", "hit"], stats["hit_chunks"])
+        chunks.add_metric(["cpu", "miss"], stats["miss_chunks"])
+        yield chunks
+        for name, doc in _TENANT_GAUGES.items():
+            family = GaugeMetricFamily(f"kvtier_store_{name}", doc, labels=["tenant"])
+            for key, value in stats.items():
+                if key.startswith(name + "."):
+                    family.add_metric([key[len(name) + 1 :]], value)
+            yield family
+        if "remote_fetches" not in stats:
+            return
+        for name, doc in _REMOTE_GAUGES.items():
+            yield GaugeMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])
+        for name, doc in _REMOTE_COUNTERS.items():
+            yield CounterMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])
+        failures = CounterMetricFamily(
+            "kvtier_store_remote_fetch_failures",
+            "Fetches that fell short, by kind",
+            labels=["kind"],
+        )
+        for status in FetchStatus:
+            if status is not FetchStatus.OK:
+                failures.add_metric([status.value], stats[f"remote_fetch_{status.value}"])
+        yield failures
+
+
+def build_registry(store: StoreClient) -> tuple[MeteredStore, CollectorRegistry]:
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(store.stats))
+    return MeteredStore(store, registry), registry

@@ -1,0 +1,233 @@
+"""Which pages hold which chunk: the pool's bookkeeping under the store's lock.
+
+``PageBook`` owns the chunk table, the page allocator, the eviction policy and the page
+counts by state, in total and per tenant (``kvtier.store.state.quotas``); ``StoreCore`` (leases,
+namespaces, events, the API) drives it. The counts always add up
+(``StoreCore.check_invariants``): committed + writing + doomed (unlinked, still pinned) +
+quarantined (a failed transfer may still write them) = pages in use. Per namespace it counts
+the chunks not yet freed (``live``): in the table, or out of it but still pinned or being
+written; the store retires only a namespace with none.
+
+Eviction takes what the policy ranks coldest among chunks that are neither pinned nor being
+written, and never a chunk whose tenant would drop below its floor for another tenant's
+allocation. A tenant over its quota evicts its own coldest chunks first (``evict_own``).
+
+Not thread-safe: the store calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Sequence
+from typing import cast
+
+from kvtier.core.chunks import ChunkLocation
+from kvtier.store.pool.allocator import PageAllocator, PageRun
+from kvtier.store.pool.eviction import IsEvictable, make_policy
+from kvtier.store.state.entries import ChunkEntry, ChunkState
+from kvtier.store.state.quotas import Tenant, TenantBook
+
+
+class PageBook:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        eviction: str,
+        counters: dict[str, int],
+        tenants: TenantBook | None = None,
+    ) -> None:
+        self.page_size = page_size
+        self.alloc = PageAllocator(num_pages)
+        self.policy = make_policy(eviction, num_pages)
+        self.tenants = tenants or TenantBook(page_size, num_pages)
+        self.table: dict[bytes, ChunkEntry] = {}
+        # namespace id -> its chunks whose pages are not freed yet (absent: none)
+        self.live: dict[bytes, int] = {}
+        self.pages = {"committed": 0, "pinned": 0, "writing": 0, "doomed": 0, "quarantined": 0}
+        # (release time, tie-breaker, runs): pages held back from reuse until release time.
+        self.quarantine: list[tuple[float, int, list[PageRun]]] = []
+        self.quarantine_seq = 0
+        self.counters = counters  # the store's (evictions, quarantined, quarantine_released)
+
+    def release_quarantine(self, now: float) -> None:
+        while self.quarantine and self.quarantine[0][0] <= now:
+            _, _, runs = heapq.heappop(self.quarantine)
+            self.pages["quarantined"] -= sum(n for _, n in runs)
+            self.alloc.free(runs)
+            self.counters["quarantine_released"] += 1
+
+    def allocate(
+        self, pages: int, evicted: list[ChunkEntry], tenant: Tenant
+    ) -> list[PageRun] | None:
+        """Pages for one chunk of ``tenant``, evicting as needed; None when evicting all it
+        may evict would not make room (checked first, so then nothing is evicted)."""
+        unpinned = self.pages["committed"] - self.pages["pinned"]
+        if self.alloc.free_pages + self.tenants.evictable_for(tenant, unpinned) < pages:
+            return None  # evicting would not make room: keep what is there
+        evictable: IsEvictable = self.evictable
+        if self.tenants.floored:
+            evictable = self._evictable_for(tenant)
+        while self.alloc.free_pages < pages:
+            key = cast(bytes | None, self.policy.evict(evictable))
+            if key is None:  # only when a floor is protected chunk by chunk (see evictable_for)
+                return None
+            self._evicted(self.table[key], evicted)
+        return self.alloc.allocate(pages)
+
+    def quota_room(
+        self,
+        tenant: Tenant,
+        need: int,
+        pages_each: int,
+        keys: Sequence[bytes],
+        evicted: list[ChunkEntry],
+    ) -> None:
+        """Before ``tenant`` allocates ``need`` pages in chunks of ``pages_each``: if that
+        takes it over its quota, evict its own coldest chunks, enough for as many of the
+        chunks as can then fit (nothing when not even one could). The batch's own chunks
+        (``keys``: being re-put, the prefix it extends) are kept."""
+        room = tenant.room()
+        if room is None or need <= room:
+            return
+        keep = set(keys)
+        kept = 0
+        for key in keep:
+            entry = self.table.get(key)
+            if entry is not None and entry.tenant is tenant and entry.pins == 0:
+                kept += entry.pages if entry.state is ChunkState.COMMITTED else 0
+        fit = min(need, room + tenant.evictable - kept) // pages_each * pages_each
+        if fit > room:
+            self.evict_own(tenant, fit - room, keep, evicted)
+
+    def evict_own(
+        self, tenant: Tenant, pages: int, keep: set[bytes], evicted: list[ChunkEntry]
+    ) -> None:
+        """Evict ``tenant``'s own coldest unpinned chunks (not those in ``keep``) until
+        ``pages`` are freed or none is left: how a tenant at its quota makes room. One pass
+        over the policy's order, however many chunks go."""
+        victims: list[ChunkEntry] = []
+        freed = 0
+        for key in self.policy.coldest(self.evictable):
+            if freed >= pages:
+                break
+            entry = self.table[cast(bytes, key)]
+            if entry.tenant is tenant and entry.key not in keep:
+                victims.append(entry)
+                freed += entry.pages
+        for entry in victims:
+            self.policy.remove(entry.key)
+            self.counters["quota_evictions"] += 1
+            self._evicted(entry, evicted)
+
+    def _evicted(self, entry: ChunkEntry, evicted: list[ChunkEntry]) -> None:
+        self.counters["evictions"] += 1
+        evicted.append(entry)
+        self.unlink(entry)
+
+    def evictable(self, key: Hashable) -> bool:
+        return self.table[cast(bytes, key)].pins == 0
+
+    def _evictable_for(self, tenant: Tenant) -> IsEvictable:
+        may_take = self.tenants.may_take
+        table = self.table
+
+        def evictable(key: Hashable) -> bool:
+            entry = table[cast(bytes, key)]
+            return entry.pins == 0 and may_take(tenant, entry.tenant, entry.pages)
+
+        return evictable
+
+    def add_writing(self, entry: ChunkEntry) -> None:
+        """A chunk just allocated (WRITING, owned by a write lease) enters the table."""
+        self.table[entry.key] = entry
+        self.live[entry.namespace] = self.live.get(entry.namespace, 0) + 1
+        self.pages["writing"] += entry.pages
+        entry.tenant.writing += entry.pages
+
+    def commit(self, entry: ChunkEntry, checksum: int) -> bool:
+        """A written chunk becomes readable; False when it was deleted meanwhile (freed)."""
+        self.pages["writing"] -= entry.pages
+        entry.tenant.writing -= entry.pages
+        if entry.doomed:
+            self.free(entry)
+            return False
+        entry.state = ChunkState.COMMITTED
+        entry.checksum = checksum
+        self.pages["committed"] += entry.pages
+        entry.tenant.committed += entry.pages
+        self.policy.insert(entry.key, entry.pages)
+        return True
+
+    def pin(self, entry: ChunkEntry) -> None:
+        if entry.pins == 0:
+            self.pages["pinned"] += entry.pages
+            entry.tenant.pinned += entry.pages
+        entry.pins += 1
+
+    def unpin(self, entry: ChunkEntry) -> None:
+        entry.pins -= 1
+        if entry.pins:
+            return
+        if entry.doomed:
+            self.pages["doomed"] -= entry.pages
+            self.free(entry)
+        else:
+            self.pages["pinned"] -= entry.pages
+            entry.tenant.pinned -= entry.pages
+
+    def unlink(self, entry: ChunkEntry) -> None:
+        """Take an entry out of the table; free its pages unless a lease still uses them."""
+        del self.table[entry.key]
+        entry.doomed = True
+        if entry.state is ChunkState.WRITING:
+            return  # its write lease frees it (commit, abort or expiry)
+        self.pages["committed"] -= entry.pages
+        entry.tenant.committed -= entry.pages
+        if entry.pins:
+            self.pages["pinned"] -= entry.pages
+            entry.tenant.pinned -= entry.pages
+            self.pages["doomed"] += entry.pages
+        else:
+            self.free(entry)
+
+    def drop_writing(
+        self, entries: list[ChunkEntry], quarantine_until: float | None = None
+    ) -> None:
+        for entry in entries:
+            self.pages["writing"] -= entry.pages
+            entry.tenant.writing -= entry.pages
+            if not entry.doomed:
+                del self.table[entry.key]
+                entry.doomed = True
+            if quarantine_until is None:
+                self.free(entry)
+            else:
+                self.pages["quarantined"] += entry.pages
+                self.quarantine_seq += 1
+                heapq.heappush(self.quarantine, (quarantine_until, self.quarantine_seq, entry.runs))
+                entry.runs = []
+                self.counters["quarantined"] += 1
+                self._gone(entry)  # its pages are the quarantine's now, not its namespace's
+
+    def free(self, entry: ChunkEntry) -> None:
+        """Give back the pages of an entry nothing references any more (once per entry)."""
+        self.alloc.free(entry.runs)
+        entry.runs = []
+        self._gone(entry)
+
+    def _gone(self, entry: ChunkEntry) -> None:
+        left = self.live[entry.namespace] - 1
+        if left:
+            self.live[entry.namespace] = left
+        else:
+            del self.live[entry.namespace]
+
+    def location(self, entry: ChunkEntry) -> ChunkLocation:
+        extents = []
+        remaining = entry.size
+        for start, length in entry.runs:
+            nbytes = min(length * self.page_size, remaining)
+            extents.append((start * self.page_size, nbytes))
+            remaining -= nbytes
+        return ChunkLocation(entry.key, entry.size, tuple(extents), entry.checksum)

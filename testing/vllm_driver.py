@@ -1,0 +1,323 @@
+"""Drive a real vLLM instance (in-process engine) through a script of phases, in its own process.
+
+Benchmarks and tests start it with ``run_vllm(spec)``; it prints one JSON result line. Each
+instance is its own process, as in production, and vLLM's global state never enters the
+caller's process.
+
+spec = {"model": path, "kv_transfer_config": {...} | None, "block_size": 32, ...,
+        "preload": [modules imported before vLLM], "kv_events_config": {...} | None,
+        "engine_args": {more vllm.LLM arguments, e.g. hf_overrides}, "phases": [...]}. Phases:
+    {"op": "generate", "prompts": [[ids...] | {"tokens": [...], "cache_salt": s}, ...],
+     "max_tokens": 8, "prompt_logprobs": false, "skip_reading_prefix_cache": null}
+        requests run one after the other (vLLM's kernels are not batch-invariant, so exactness
+        comparisons need identical batches); per request: tokens, logprobs, num_cached_tokens,
+        seconds (the whole generate: TTFT when max_tokens=1) and the prompt tokens vLLM counted
+        as cached, by source (device = its own GPU cache, host = DRAM, p2p = remote)
+    {"op": "reset_prefix_cache"}     clears vLLM's own prefix cache only (fails if vLLM refuses)
+    {"op": "metrics"}                vLLM's counters (vllm:* names)
+    {"op": "connector_timing"}       seconds spent in the scheduler-side connector per step
+    {"op": "sleep", "seconds": s}    let background work happen (e.g. an index following)
+    {"op": "signal", "pid": N, "signal": "SIGSTOP"}  signal another process (a store)
+    {"op": "fault", "kind": ..., ...}  fault injection (``fault_injection.py``): fired right
+                                     after a lookup, before its load, once or "every" time
+    {"op": "disarm"}                 every fault off
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kvtier.testing.fault_injection import arm as arm_fault
+from kvtier.testing.fault_injection import disarm as disarm_faults
+from kvtier.testing.fault_injection import scheduler_connector
+
+RESULT_PREFIX = "KVTIER-RESULT "
+SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+
+
+def kvtier_transfer_config(extra: dict | None = None) -> dict:
+    return {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra or {},
+    }
+
+
+def run_vllm(spec: dict, env: Mapping[str, str], timeout: float = 900) -> list[Any]:
+    """Run the driver in a fresh process; returns the phases' results (raises on failure)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.testing.vllm_driver"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(env),
+    )
+    for line in proc.stderr.splitlines():  # the harness's own trouble, for whoever reads on
+        if line.startswith("fault injection"):
+            print(line, file=sys.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX) and proc.returncode == 0:
+            return json.loads(line[len(RESULT_PREFIX) :])
+    raise RuntimeError(f"vLLM driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+class _ConnectorTimer:
+    """Wraps the scheduler-side connector hooks to time them (per engine step)."""
+
+    HOOKS = (
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "update_connector_output",
+        "request_finished",
+    )
+
+    def __init__(self, llm: Any) -> None:
+        self.seconds = 0.0
+        self.steps = 0
+        self.longest = 0.0  # the longest single hook call: what stalls the engine
+        connector = scheduler_connector(llm)
+        for name in self.HOOKS:
+            setattr(
+                connector,
+                name,
+                self._wrap(getattr(connector, name), name == "build_connector_meta"),
+            )
+
+    def _wrap(self, fn: Any, counts_step: bool) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - start
+                self.seconds += took
+                self.longest = max(self.longest, took)
+                self.steps += counts_step
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out = {"seconds": self.seconds, "steps": self.steps, "longest": self.longest}
+        self.seconds, self.steps, self.longest = 0.0, 0, 0.0
+        return out
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if value is None or not isinstance(value, int | float):
+            continue
+        labels = ",".join(
+            f"{k}={v}"
+            for k, v in sorted(metric.labels.items())
+            if k not in ("engine", "model_name")
+        )
+        out[f"{metric.name}{{{labels}}}" if labels else metric.name] = float(value)
+    return out
+
+
+def _cached_by_source(metrics: dict[str, float]) -> dict[str, float]:
+    return {
+        s: metrics.get(f"vllm:prompt_tokens_cached_by_source{{source={s}}}", 0.0) for s in SOURCES
+    }
+
+
+def _generate(llm: Any, phase: dict) -> list[dict]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=phase.get("max_tokens", 8),
+        logprobs=phase.get("logprobs", 5),
+        prompt_logprobs=1 if phase.get("prompt_logprobs") else None,
+        skip_reading_prefix_cache=phase.get("skip_reading_prefix_cache"),
+        detokenize=False,
+        ignore_eos=True,
+    )
+    if phase.get("batch"):  # every prompt in flight at once: the engine batches them
+        return _generate_batch(llm, phase["prompts"], params)
+    results: list[dict[str, Any]] = []
+    for prompt in phase["prompts"]:
+        before = _cached_by_source(_metrics(llm))
+        start = time.perf_counter()
+        if isinstance(prompt, dict):
+            tokens_prompt = TokensPrompt(prompt_token_ids=prompt["tokens"])
+            if prompt.get("cache_salt") is not None:
+                tokens_prompt["cache_salt"] = prompt["cache_salt"]
+        else:
+            tokens_prompt = TokensPrompt(prompt_token_ids=prompt)
+        try:
+            out = llm.generate([tokens_prompt], params, use_tqdm=False)[0]
+        except Exception as exc:  # a request the engine refused: recorded, the run goes on
+            results.append({"error": repr(exc)})
+            continue
+        seconds = time.perf_counter() - start
+        after = _cached_by_source(_metrics(llm))
+        completion = out.outputs[0]
+        results.append(
+            {
+                "tokens": list(completion.token_ids),
+                "logprobs": [
+                    {str(t): lp.logprob for t, lp in step.items()}
+                    for step in (completion.logprobs or [])
+                ],
+                "prompt_logprobs": [
+                    None if step is None else {str(t): lp.logprob for t, lp in step.items()}
+                    for step in (out.prompt_logprobs or [])
+                ],
+                "num_cached_tokens": out.num_cached_tokens,
+                "finish_reason": completion.finish_reason,
+                "seconds": seconds,
+                "cached_by_source": {
+                    s: after[s] - before[s] for s in SOURCES if after[s] != before[s]
+                },
+            }
+        )
+    return results
+
+
+def _tokens_prompt(prompt: list[int] | dict) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    if isinstance(prompt, dict):
+        tokens_prompt = TokensPrompt(prompt_token_ids=prompt["tokens"])
+        if prompt.get("cache_salt") is not None:
+            tokens_prompt["cache_salt"] = prompt["cache_salt"]
+        return tokens_prompt
+    return TokensPrompt(prompt_token_ids=prompt)
+
+
+def _generate_batch(llm: Any, prompts: list, params: Any) -> list[dict]:
+    """All prompts submitted together: concurrent requests sharing prefixes, preempted when
+    the KV cache is small. Per-request outputs as ``_generate``'s (no per-request sources)."""
+    start = time.perf_counter()
+    outs = llm.generate([_tokens_prompt(p) for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return [
+        {
+            "tokens": list(out.outputs[0].token_ids),
+            "logprobs": [
+                {str(t): lp.logprob for t, lp in step.items()}
+                for step in (out.outputs[0].logprobs or [])
+            ],
+            "prompt_logprobs": [
+                None if step is None else {str(t): lp.logprob for t, lp in step.items()}
+                for step in (out.prompt_logprobs or [])
+            ],
+            "num_cached_tokens": out.num_cached_tokens,
+            "finish_reason": out.outputs[0].finish_reason,
+            "seconds": seconds,
+            "cached_by_source": {},
+        }
+        for out in outs
+    ]
+
+
+def _store_leases(address: str, settle_s: float) -> int:
+    """Leases the store holds now, this engine alive and idle (its session still open, so a
+    leaked lease is still there to count). Commits and releases travel on the connector's
+    ops thread: a count above 0 is re-read until ``settle_s``, and what stays is a leak."""
+    from kvtier.store.client.grpc import GrpcStoreClient
+
+    client = GrpcStoreClient(address)
+    try:
+        deadline = time.monotonic() + settle_s
+        while True:
+            stats = client.stats()
+            held = int(stats["read_leases"]) + int(stats["write_leases"])
+            if not held or time.monotonic() > deadline:
+                return held
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def _drain(llm: Any) -> None:
+    """Run engine steps until no request is left. ``LLM.generate`` returns before the step that
+    lets a connector with asynchronous saves hand back the last request's blocks; until then
+    vLLM refuses to reset its prefix cache."""
+    core = llm.llm_engine.engine_core
+    engine = getattr(core, "engine_core", core)
+    while engine.scheduler.has_requests():
+        engine.step()
+
+
+def main(spec: dict) -> list[Any]:
+    import importlib
+
+    for module in spec.get("preload", []):  # e.g. a peer's compatibility fix, before vLLM
+        importlib.import_module(module)
+    from vllm import LLM
+
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec.get("dtype", "auto"),
+        block_size=spec.get("block_size", 32),
+        max_model_len=spec.get("max_model_len", 2048),
+        max_num_seqs=spec.get("max_num_seqs", 8),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens"),
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
+        disable_log_stats=False,
+        kv_transfer_config=spec.get("kv_transfer_config"),
+        kv_events_config=spec.get("kv_events_config"),
+        **spec.get("engine_args", {}),
+    )
+    results: list[Any] = []
+    timer: _ConnectorTimer | None = None
+    try:
+        for phase in spec["phases"]:
+            op = phase["op"]
+            if op == "generate":
+                results.append(_generate(llm, phase))
+            elif op == "reset_prefix_cache":
+                _drain(llm)
+                if not llm.reset_prefix_cache():
+                    raise RuntimeError("vLLM refused to reset its prefix cache")
+                results.append(True)
+            elif op == "metrics":
+                results.append(_metrics(llm))
+            elif op == "store_leases":
+                _drain(llm)
+                results.append(_store_leases(phase["address"], phase.get("settle_s", 3.0)))
+            elif op == "fault":
+                arm_fault(llm, phase)
+                results.append(None)
+            elif op == "disarm":
+                disarm_faults(llm)
+                results.append(None)
+            elif op == "signal":  # e.g. SIGKILL / SIGSTOP / SIGCONT a store
+                os.kill(phase["pid"], getattr(signal, phase["signal"]))
+                results.append(None)
+            elif op == "sleep":
+                time.sleep(phase["seconds"])
+                results.append(None)
+            elif op == "connector_timing":
+                if timer is None:
+                    timer = _ConnectorTimer(llm)
+                results.append(timer.take())
+            else:
+                raise ValueError(f"unknown phase {op!r}")
+        _drain(llm)  # let work the engine still owes finish (e.g. saves of finished requests)
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # runs the connector's shutdown (frees its pool)
+    return results
+
+
+if __name__ == "__main__":
+    # The spec comes on stdin (prompts of 8k tokens do not fit in argv).
+    print(RESULT_PREFIX + json.dumps(main(json.loads(sys.stdin.read()))), flush=True)

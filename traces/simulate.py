@@ -1,0 +1,327 @@
+"""``kvtier trace simulate``: replay a trace through a model of kvtier's tiers.
+
+The model: ``instances`` vLLM instances, each with a GPU prefix cache of ``gpu_blocks``
+(vLLM's own, LRU); ``instances_per_node`` of them share a node's DRAM pool of ``dram_blocks``
+(kvtier's store, ``dram_policy``); other nodes' pools form the remote tier. A request, routed to
+an instance by the routing policy, takes
+
+1. its GPU prefix hit (looked up and touched, vLLM style),
+2. then the run of following blocks in its node's pool (``StoreCore.lookup``),
+3. then the run of following blocks that some other node's pool holds (remote),
+4. and computes the rest (miss).
+
+Afterwards the GPU cache stores every block, and the node pool stores every block beyond the
+GPU hit (computed chunks are saved and remote chunks land in local DRAM), through ``BlockCache``
+(the store's semantics and policy classes, so simulator and store agree by construction).
+
+Routing uses the router's own policies (``kvtier.router.policies``, adapted in ``routing.py``):
+the simulator is where a policy is tuned before the router serves with it unchanged.
+
+A coarse time model feeds load-aware routing and a modelled TTFT: each instance prefills one
+request at a time at ``prefill_tokens_per_s`` (plus per-token load costs for DRAM and remote
+hits), then decodes at ``decode_ms_per_token``. Caches change at arrival; remote reads do not
+touch the holder's policy. The model compares routing and capacity choices; it does not predict
+latency.
+
+Every spec of a sweep is fed in the same single pass over the trace.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.router.policies import Policy, make_policy
+from kvtier.traces.formats import (
+    DEFAULT_BLOCK_TOKENS,
+    TraceFormat,
+    TraceReader,
+    TraceRequest,
+)
+from kvtier.traces.routing import SimRouter
+from kvtier.traces.sessions import SessionTracker
+from kvtier.traces.simcache import BlockCache
+
+TIERS = ("gpu", "local_dram", "remote", "miss")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    instances: int = 4
+    instances_per_node: int = 2
+    gpu_blocks: int = 2048  # per instance
+    dram_blocks: int = 8192  # per node pool; 0 = no DRAM tier
+    gpu_policy: str = "lru"
+    dram_policy: str = "s3fifo"
+    remote: bool = True
+    routing: str = "lmetric"  # any name in kvtier.router.policies.POLICIES
+    dram_credit: float = 0.5  # routing: a DRAM-held block counts this much of a GPU-held one
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    prefill_tokens_per_s: float = 10_000.0
+    decode_ms_per_token: float = 20.0
+    dram_load_us_per_token: float = 2.5  # ~ reference: CPU hit minus GPU hit at 64k tokens
+    remote_load_us_per_token: float = 13.0  # ~ reference: RDMA hit minus GPU hit at 64k tokens
+
+    def __post_init__(self) -> None:
+        if self.instances < 1 or self.instances_per_node < 1:
+            raise ValueError("instances and instances_per_node must be >= 1")
+        if self.gpu_blocks < 0 or self.dram_blocks < 0:
+            raise ValueError("capacities must be >= 0")
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.instances // self.instances_per_node)
+
+
+@dataclass
+class _Instance:
+    gpu: BlockCache
+    node: int
+    prefill_free_at: float = 0.0
+    finishing: list[float] = field(default_factory=list)  # heap of finish times
+    requests: int = 0
+    miss_tokens: int = 0
+
+
+class ClusterSim:
+    """One cluster model. ``step`` is called per request in arrival order; not thread-safe."""
+
+    def __init__(self, spec: ClusterSpec, policy: Policy | None = None) -> None:
+        self.spec = spec
+        self.router = SimRouter(
+            policy or make_policy(spec.routing, spec.dram_credit),
+            spec.instances,
+            spec.block_tokens,
+        )
+        self.instances = [
+            _Instance(BlockCache(spec.gpu_blocks, spec.gpu_policy), i // spec.instances_per_node)
+            for i in range(spec.instances)
+        ]
+        self.pools = [BlockCache(spec.dram_blocks, spec.dram_policy) for _ in range(spec.nodes)]
+        self._track_remote = spec.remote and spec.nodes > 1 and spec.dram_blocks > 0
+        self._holders: dict[Hashable, int] = {}  # block -> node pools holding it
+        self.blocks = dict.fromkeys(TIERS, 0)
+        self.tokens = dict.fromkeys(TIERS, 0)
+        self.ttft_s: list[float] = []
+        self.requests = 0
+        self.decisions: Counter[str] = Counter()  # routing decisions by reason
+
+    # -- ClusterView (routing.py) --------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return len(self.instances)
+
+    def tier_runs(self, ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """Per instance: blocks of ``ids`` it would read from its GPU, its node's pool and
+        other nodes' pools (leading runs, in that order), without touching any cache."""
+        out = []
+        node_runs: dict[tuple[int, int], tuple[int, int]] = {}  # (node, gpu run) -> runs
+        for inst in self.instances:
+            g = inst.gpu.match(ids)
+            runs = node_runs.get((inst.node, g))
+            if runs is None:
+                pool = self.pools[inst.node]
+                d = pool.match(ids, g)
+                runs = node_runs[(inst.node, g)] = (d, self._remote_run(pool, ids, g + d))
+            out.append((g, *runs))
+        return out
+
+    def loads(self, now: float) -> list[tuple[float, int]]:
+        return [
+            (self.pending_prefill_tokens(i, now), self.running(i, now)) for i in range(self.size)
+        ]
+
+    def pending_prefill_tokens(self, instance: int, now: float) -> float:
+        backlog = self.instances[instance].prefill_free_at - now
+        return backlog * self.spec.prefill_tokens_per_s if backlog > 0 else 0.0
+
+    def running(self, instance: int, now: float) -> int:
+        heap = self.instances[instance].finishing
+        while heap and heap[0] <= now:
+            heapq.heappop(heap)
+        return len(heap)
+
+    def _remote_run(self, pool: BlockCache, ids: Sequence[int], start: int) -> int:
+        """Leading blocks of ``ids[start:]`` that some other node's pool holds."""
+        if not self._track_remote:
+            return 0
+        holders = self._holders
+        r = 0
+        for key in ids[start:]:
+            if holders.get(key, 0) - (key in pool) <= 0:
+                break
+            r += 1
+        return r
+
+    # -- simulation ----------------------------------------------------------------------
+
+    def step(
+        self, req: TraceRequest, session: int | None = None
+    ) -> tuple[int, tuple[int, int, int, int]]:
+        """Serve one request of ``session`` (None: unknown); returns (instance, blocks per
+        tier in TIERS order)."""
+        spec = self.spec
+        ids = req.hash_ids
+        now = req.timestamp / 1000.0
+        decision = self.router.choose(self, ids, req.input_length, session, now)
+        self.decisions[decision.reason] += 1
+        i = decision.index
+        inst = self.instances[i]
+        pool = self.pools[inst.node]
+        n = len(ids)
+        g = inst.gpu.lookup(ids)
+        d = pool.lookup(ids, g)
+        r = self._remote_run(pool, ids, g + d)
+        counts = (g, d, r, n - g - d - r)
+        inst.gpu.store(ids)
+        inserted, evicted = pool.store(ids, g)
+        if self._track_remote:
+            holders = self._holders
+            for block in inserted:
+                holders[block] = holders.get(block, 0) + 1
+            for block in evicted:
+                left = holders[block] - 1
+                if left:
+                    holders[block] = left
+                else:
+                    del holders[block]
+
+        bt = spec.block_tokens
+        remaining = req.input_length
+        for tier, blocks in zip(TIERS, counts, strict=True):
+            self.blocks[tier] += blocks
+            tokens = min(blocks * bt, remaining)
+            remaining -= tokens
+            self.tokens[tier] += tokens
+        miss_tokens = max(req.input_length - min((g + d + r) * bt, req.input_length), 0)
+        load_s = (
+            min(d * bt, req.input_length) * spec.dram_load_us_per_token
+            + min(r * bt, req.input_length) * spec.remote_load_us_per_token
+        ) / 1e6
+        start = max(now, inst.prefill_free_at)
+        done = start + load_s + miss_tokens / spec.prefill_tokens_per_s
+        inst.prefill_free_at = done
+        heapq.heappush(inst.finishing, done + req.output_length * spec.decode_ms_per_token / 1e3)
+        inst.requests += 1
+        inst.miss_tokens += miss_tokens
+        self.ttft_s.append(done - now)
+        self.requests += 1
+        return i, counts
+
+    def report(self) -> dict[str, Any]:
+        total_blocks = sum(self.blocks.values())
+        total_tokens = sum(self.tokens.values())
+        per_req = np.array([inst.requests for inst in self.instances], dtype=float)
+        per_miss = np.array([inst.miss_tokens for inst in self.instances], dtype=float)
+        ttft = np.array(self.ttft_s) if self.ttft_s else np.zeros(1)
+        return {
+            "spec": asdict(self.spec),
+            "requests": self.requests,
+            "hit_ratio_blocks": {t: _ratio(self.blocks[t], total_blocks) for t in TIERS},
+            "hit_ratio_tokens": {t: _ratio(self.tokens[t], total_tokens) for t in TIERS},
+            "total_hit_ratio": _ratio(total_blocks - self.blocks["miss"], total_blocks),
+            "load": {
+                "requests_max_over_mean": _ratio(per_req.max(), per_req.mean()),
+                "miss_tokens_max_over_mean": _ratio(per_miss.max(), per_miss.mean()),
+                "requests_per_instance": [int(x) for x in per_req],
+            },
+            "routing_decisions": dict(self.decisions.most_common()),
+            "modelled_ttft_s": {f"p{q}": float(np.percentile(ttft, q)) for q in (50, 90, 99)},
+            "evictions": {
+                "gpu": sum(inst.gpu.evictions for inst in self.instances),
+                "dram": sum(pool.evictions for pool in self.pools),
+            },
+        }
+
+
+def simulate(
+    requests: Iterable[TraceRequest],
+    specs: Sequence[ClusterSpec],
+    *,
+    derive_sessions: bool,
+) -> list[dict[str, Any]]:
+    """Feed every spec the same requests in one pass; returns one report per spec."""
+    if not specs:
+        return []
+    sims = [ClusterSim(spec) for spec in specs]
+    block_tokens = specs[0].block_tokens
+    need_sessions = any(spec.routing == "sticky" for spec in specs)
+    tracker = SessionTracker.standalone(block_tokens, derive=derive_sessions)
+    for req in requests:
+        session = None
+        if need_sessions:
+            session = tracker.observe(req).session
+        for sim in sims:
+            sim.step(req, session)
+    return [sim.report() for sim in sims]
+
+
+def _simulate_file(
+    path: str, fmt: str, block_tokens: int, specs: list[ClusterSpec]
+) -> list[dict[str, Any]]:
+    reader = TraceReader(path, fmt, block_tokens)
+    return simulate(reader, specs, derive_sessions=reader.format is TraceFormat.MOONCAKE)
+
+
+def simulate_file(
+    path: Path | str,
+    specs: Sequence[ClusterSpec],
+    fmt: TraceFormat | str = TraceFormat.AUTO,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    jobs: int = 1,
+) -> list[dict[str, Any]]:
+    """``simulate`` over a file, the specs split over ``jobs`` processes (each reads the file;
+    the specs are independent). Reports come back in the order of ``specs``."""
+    jobs = max(1, min(jobs, len(specs)))
+    if jobs == 1:
+        return _simulate_file(str(path), str(fmt), block_tokens, list(specs))
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    groups = [list(specs[i::jobs]) for i in range(jobs)]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [
+            pool.submit(_simulate_file, str(path), str(fmt), block_tokens, g) for g in groups
+        ]
+        parts = [f.result() for f in futures]
+    out: list[dict[str, Any]] = [{}] * len(specs)
+    for i, part in enumerate(parts):
+        for j, report in enumerate(part):
+            out[i + j * jobs] = report
+    return out
+
+
+def sweep_specs(
+    base: ClusterSpec,
+    gpu_blocks: Sequence[int] = (),
+    dram_blocks: Sequence[int] = (),
+    routings: Sequence[str] = (),
+    dram_policies: Sequence[str] = (),
+) -> list[ClusterSpec]:
+    """The cross product of the given axes around ``base`` (an empty axis keeps base's value)."""
+    out = []
+    for policy in dram_policies or [base.dram_policy]:
+        for routing in routings or [base.routing]:
+            for dram in dram_blocks or [base.dram_blocks]:
+                for gpu in gpu_blocks or [base.gpu_blocks]:
+                    out.append(
+                        replace(
+                            base,
+                            gpu_blocks=gpu,
+                            dram_blocks=dram,
+                            routing=routing,
+                            dram_policy=policy,
+                        )
+                    )
+    return out
+
+
+def _ratio(a: float, b: float) -> float:
+    return float(a / b) if b else 0.0
