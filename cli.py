@@ -12,6 +12,7 @@ from kvtier import __version__
 from kvtier.bench.cli import bench_app
 from kvtier.core.auth_cli import auth_app
 from kvtier.core.config import load_config
+from kvtier.core.config_cli import config_app
 from kvtier.core.logs import console, setup_logging
 from kvtier.index.server.cli import index_app
 from kvtier.router.cli import router_app
@@ -25,6 +26,7 @@ app.add_typer(trace_app, name="trace")
 app.add_typer(index_app, name="index")
 app.add_typer(auth_app, name="auth")
 app.add_typer(router_app, name="router")
+app.add_typer(config_app, name="config")
 
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML config file (or KVTIER_CONFIG)")

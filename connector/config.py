@@ -67,6 +67,8 @@ def parse_extra_config(extra: dict[str, Any] | None) -> KvtierConfig:
             if name in DEPRECATED_FLAGS:
                 log.warning("kvtier: %s is deprecated: set %s instead", name, path)
     try:
+        # old key names become new ones first, so they override the file's new names
+        extra = ConnectorConfig.upgrade_keys(extra, "kv_connector_extra_config")
         base = load_config().connector.model_dump()
         connector = ConnectorConfig.model_validate({**base, **extra})
         config = load_config(**sections)
@@ -77,6 +79,10 @@ def parse_extra_config(extra: dict[str, Any] | None) -> KvtierConfig:
         ]
         raise ConnectorConfigError(
             "invalid kv_connector_extra_config for KvtierConnector:\n" + "\n".join(lines)
+        ) from None
+    except ValueError as exc:  # an old key name beside its new one
+        raise ConnectorConfigError(
+            f"invalid kv_connector_extra_config for KvtierConnector:\n  {exc}"
         ) from None
     if "remote" in connector.tiers and not config.index.address:
         raise ConnectorConfigError(

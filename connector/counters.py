@@ -46,7 +46,7 @@ class C:
         "lookup_wait_seconds", "Seconds the scheduler thread waited for lookups", internal=True
     )
     LOOKUP_DEADLINE_MISSES = Counter(
-        "lookup_deadline_misses", "Lookups past lookup_deadline_ms, answered as misses"
+        "lookup_deadline_misses", "Lookups past lookup_deadline_s, answered as misses"
     )
     CPU_SKIPPED_TOKENS = Counter(
         "cpu_skipped_tokens", "DRAM hits shorter than min_hit_tokens, recomputed instead"
@@ -99,7 +99,11 @@ class C:
     SAVE_ALLOC_TIMEOUTS = Counter(
         "save_alloc_timeouts", "Chunks whose pool space did not come within save_defer_s"
     )
-    SAVE_PREEMPTED = Counter("save_preempted", "Chunks not saved: vLLM preempted the request")
+    SAVE_PREEMPTED = Counter(
+        "save_preempted",
+        "Chunks whose save waiting for pool space was dropped: vLLM preempted the request "
+        "(saved once it recomputes them)",
+    )
     SAVES_DISCARDED = Counter(
         "saves_discarded_after_failed_load",
         "Chunks not committed: computed in a step over blocks whose load failed",

@@ -266,10 +266,10 @@ class TierResolver:
         if "cpu" not in self.config.tiers:
             return 0
         for rank, ns_id in ns_ids.items():
-            result = self.pool.lookup(ns_id, keys[rank], self.config.lease_ttl_s)
+            result = self.pool.lookup(ns_id, keys[rank], self.config.load_lease_ttl_s)
             if result.lease_id:
                 outcome.lease_ids.append(result.lease_id)
-                outcome.granted(result.lease_ttl_s or self.config.lease_ttl_s)
+                outcome.granted(result.lease_ttl_s or self.config.load_lease_ttl_s)
             outcome.hits[rank] = self._verifiable(result.hits)
             outcome.epochs[rank] = result.epoch
         return min(len(h) for h in outcome.hits.values())
@@ -297,10 +297,12 @@ class TierResolver:
                 return 0  # every rank needs the run
         n = min(staged)
         for rank, ns_id in ns_ids.items():
-            result = self.pool.lookup(ns_id, keys[rank][run : run + n], self.config.lease_ttl_s)
+            result = self.pool.lookup(
+                ns_id, keys[rank][run : run + n], self.config.load_lease_ttl_s
+            )
             if result.lease_id:
                 outcome.lease_ids.append(result.lease_id)
-                outcome.granted(result.lease_ttl_s or self.config.lease_ttl_s)
+                outcome.granted(result.lease_ttl_s or self.config.load_lease_ttl_s)
             if run and outcome.epochs.get(rank, result.epoch) != result.epoch:
                 return 0  # the store restarted between the two lookups: keep the first run
             hits = self._verifiable(result.hits)

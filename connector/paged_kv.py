@@ -43,7 +43,7 @@ from kvtier.connector.layout import KvGeometry
 from kvtier.connector.metadata import ChunkCopy
 from kvtier.connector.streams import DeviceOrdering, HostOrdering
 from kvtier.core.chunks import extent_pieces
-from kvtier.tiers.cpu import SharedSegment
+from kvtier.store.client.shm import SharedSegment
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 the workers, commits only for bytes computed over valid KV.
 
 Per step, ``plan`` asks the store for pool pages for every chunk the step completes (on the
-``kvtier-alloc`` thread, one call per request and rank) and waits at most ``save_wait_ms`` for
+``kvtier-alloc`` thread, one call per request and rank) and waits at most ``save_wait_s`` for
 the answers, so a slow or hung store never stalls vLLM's scheduler. An allocation that is late
 is sent in a later step instead (the chunk's blocks do not change while the request lives;
 when it finishes first, ``finish`` tells vLLM to hold its blocks until the copy, and the
@@ -14,8 +14,17 @@ block the chunks were computed over (the chunk's own blocks or any before them):
 computed that step over KV that was never loaded, so those bytes are garbage under correct
 keys and are aborted instead. The same holds for another request sharing the failed blocks.
 
-Threading: every method runs on vLLM's scheduler thread; allocation futures complete on the
-``kvtier-alloc`` thread; commits and aborts go to the ``kvtier-ops`` executor (FIFO).
+A save aborted because its request will compute its chunks again (preempted while waiting for
+pool space, computed over a failed load, a copy that failed) moves the request's
+``saved_upto`` back to its first chunk: the recompute saves them. For that, aborts run on the
+allocation executor: an abort is submitted before any allocation asked after it and runs
+first, so the recompute's allocation never finds a chunk still IN_PROGRESS under the aborted
+lease and skips it.
+
+Threading: every method runs on vLLM's scheduler thread except the store calls; allocations
+and aborts run on the ``kvtier-alloc`` executor (one thread, FIFO), commits on ``kvtier-ops``
+(both inline for an embedded store). The scheduler thread never waits on either beyond
+``save_wait_s`` per step.
 """
 
 from __future__ import annotations
@@ -92,6 +101,7 @@ class SavePlanner:
         self._pending: dict[int, PendingSave] = {}
         self._held: set[str] = set()  # finished requests whose blocks vLLM holds for us
         self._job_ids = 1
+        self._closing = False  # shutdown: allocations not yet started allocate nothing
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -104,12 +114,14 @@ class SavePlanner:
         """Saves to send with this step, and the held requests the workers may now release.
         ``scheduled``: (state, computed tokens before the step, tokens this step)."""
         for alloc in self._waiting:
-            if alloc.state.request.request_id in preempted:
+            if not alloc.dropped and alloc.state.request.request_id in preempted:
                 self._drop(alloc, C.SAVE_PREEMPTED)  # vLLM freed its blocks already
+                # nothing was copied: the request saves these chunks once it recomputes them
+                alloc.state.saved_upto = min(alloc.state.saved_upto, alloc.start)
         started = [self._request(*item, block_ids_of) for item in scheduled]
         fresh = [a.future for a in started if a is not None]
         if fresh:
-            wait_futures(fresh, timeout=self.config.save_wait_ms / 1e3)
+            wait_futures(fresh, timeout=self.config.save_wait_s)
         jobs = []
         now = time.monotonic()
         still: list[Allocation] = []
@@ -170,6 +182,8 @@ class SavePlanner:
         """On the alloc thread: the request's namespaces (registered if need be), the chunks'
         keys, and pool space for every rank, or none (aborting what was got)."""
         out: dict[int, AllocateResult] = {}
+        if self._closing:
+            return out
         geo = self.geometry
         ns_ids = self._namespaces_of(state)
         try:
@@ -194,7 +208,7 @@ class SavePlanner:
             # the store ended the session: its write leases are gone and their pages held
             # back (quarantined) by the store; never copy into them
             self._count(C.SAVE_ERRORS, 1)
-            self._abort_late(alloc.future)
+            self._alloc.submit(self._abort_got, alloc.future)
             return None
         geo = self.geometry
         bpc = geo.blocks_per_chunk
@@ -212,7 +226,7 @@ class SavePlanner:
                 ids = alloc.block_ids[i * bpc : (i + 1) * bpc]
                 copies.append(ChunkCopy(loc.extents, 0, 0, ids, loc.key))
             if result.lease_id and (segment is None or not copies):
-                self._ops.submit(self._quiet_abort, result.lease_id)  # never on this thread
+                self._alloc.submit(self._quiet_abort, result.lease_id)  # never on this thread
                 continue
             if copies and segment is not None:
                 chunks[rank], segments[rank] = copies, segment
@@ -262,7 +276,9 @@ class SavePlanner:
         # recompute may save these chunks again once the blocks hold valid KV
         pending.state.saved_upto = min(pending.state.saved_upto, pending.start)
         for lease_id in pending.leases.values():
-            self._ops.submit(self._quiet_abort, lease_id)
+            # ahead of the recompute's allocation (FIFO), which would otherwise find these
+            # chunks still IN_PROGRESS and skip them
+            self._alloc.submit(self._quiet_abort, lease_id)
 
     # -- request lifetime --------------------------------------------------------------------
 
@@ -283,19 +299,31 @@ class SavePlanner:
         held, self._held = list(self._held), set()
         return held
 
+    def shutdown(self) -> None:
+        """Give up every waiting allocation and stop the alloc thread once it ran what was
+        queued: the aborts (every write lease given back), not the allocations."""
+        self._closing = True
+        self.drop_all()
+        self._alloc.shutdown(wait=True)
+
     def _drop(self, alloc: Allocation, why: Counter) -> None:
         alloc.dropped = True
         self._count(why, alloc.end - alloc.start)
-        alloc.future.add_done_callback(self._abort_late)
+        # behind the allocation (FIFO), ahead of any asked after this drop
+        self._alloc.submit(self._abort_got, alloc.future)
 
-    def _abort_late(self, future: Future[dict[int, AllocateResult]]) -> None:
+    # -- store calls (alloc thread: allocations and aborts; ops thread: commits) -------------
+
+    def _abort_got(self, future: Future[dict[int, AllocateResult]]) -> None:
+        """Abort whatever the allocation of ``future`` got. It ran before this (FIFO)."""
+        if not future.done():  # never with one FIFO thread; abort whenever it completes
+            future.add_done_callback(self._abort_got)
+            return
         if future.cancelled() or future.exception() is not None:
             return
         for result in future.result().values():
             if result.lease_id:
-                self._ops.submit(self._quiet_abort, result.lease_id)
-
-    # -- store calls (ops thread) ------------------------------------------------------------
+                self._quiet_abort(result.lease_id)
 
     def _commit(self, lease_id: int, n: int) -> None:
         try:

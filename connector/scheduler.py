@@ -3,7 +3,7 @@
 Per request:
 1. ``get_num_new_matched_tokens``: the prompt's chunk keys past vLLM's own (GPU) hit are looked
    up in the node store and leased (``resolve.py``; on a lookup thread unless the store is
-   embedded: vLLM is told "ask again" while it runs, "no hit" past ``lookup_deadline_ms``).
+   embedded: vLLM is told "ask again" while it runs, "no hit" past ``lookup_deadline_s``).
 2. ``update_state_after_alloc``: the run becomes a ``LoadJob`` over the request's block ids,
    naming per TP rank the store incarnation its extents belong to.
 3. ``build_meta``: chunks this step completes get pool space (``saves.py``).
@@ -14,7 +14,7 @@ Per request:
 Every hook that acts on a request first follows its inputs (``RequestState.refresh``): a
 streaming-input session changes them between steps without a new lookup.
 
-Nothing here waits on the network for longer than a small budget per step (``lookup_wait_ms``
+Nothing here waits on the network for longer than a small budget per step (``lookup_wait_s``
 is shared by every request looked up in a step; at most ``max_pending_lookups`` are in
 flight): store calls run on the ``kvtier-lookup`` / ``kvtier-alloc`` / ``kvtier-ops`` threads
 (inline for an embedded store, which answers in microseconds). Per-step work is proportional
@@ -65,6 +65,17 @@ class InlineExecutor(Executor):
         return future
 
 
+@dataclasses.dataclass
+class _Loading:
+    """A load handed to the workers, until they report it."""
+
+    job: LoadJob
+    outcome: LookupOutcome  # its leases
+    # tokens by tier, counted as hits when the workers report the load done (also after its
+    # request finished: vLLM frees a request that stopped before it hands over the report)
+    hits: dict[str, int]
+
+
 class ConnectorScheduler:
     def __init__(
         self,
@@ -112,17 +123,18 @@ class ConnectorScheduler:
         )
         self._requests: dict[str, RequestState] = {}
         # what is left of this step's lookup wait (reset by build_meta, which ends a step)
-        self._wait_left = config.lookup_wait_ms / 1e3
+        self._wait_left = config.lookup_wait_s
         self._in_flight = 0  # lookups submitted and not done (done callbacks: any thread)
         self._in_flight_lock = threading.Lock()
         self._pending_loads: list[LoadJob] = []
-        self.hit_sources: dict[str, dict[str, int]] = {}  # req -> tier -> tokens (last plan)
+        # req -> tier -> tokens of its last load (vLLM's hit stats read it at admission)
+        self.hit_sources: dict[str, dict[str, int]] = {}
         # req id -> its block ids (vLLM's KV cache manager; bound once the scheduler exists)
         self.block_ids_of: Callable[[str], list[int]] | None = None
         # drops blocks from vLLM's prefix cache (its KV cache manager's evict_blocks)
         self.evict_device_blocks: Callable[[set[int]], None] | None = None
-        # loads handed to the workers: the job (its blocks) and the outcome (its leases)
-        self._loading: dict[str, tuple[LoadJob, LookupOutcome]] = {}
+        # loads handed to the workers, by request, until the workers report them
+        self._loading: dict[str, _Loading] = {}
         # leases of loads whose request finished while the workers were still copying
         self._release_after_load: dict[str, LookupOutcome] = {}
 
@@ -181,7 +193,7 @@ class ConnectorScheduler:
                     self._count(C.LOOKUPS_SHED)
                     return 0, False
                 state.lookup_for = computed
-                state.lookup_deadline = time.monotonic() + self.config.lookup_deadline_ms / 1e3
+                state.lookup_deadline = time.monotonic() + self.config.lookup_deadline_s
                 state.lookup = self._lookups.submit(self.resolver.resolve, state, computed)
                 state.lookup.add_done_callback(self._lookup_done)
             waited_from = time.monotonic()
@@ -289,11 +301,12 @@ class ConnectorScheduler:
             failed=failed,
         )
         self._pending_loads.append(job)
-        self._loading[request.request_id] = (job, outcome)
+        hits = _trim(outcome.sources, num_external_tokens)
+        self._loading[request.request_id] = _Loading(job, outcome, hits)
         state.load_tokens = num_external_tokens
         state.save_from_chunk = (outcome.computed + num_external_tokens) // geo.chunk_tokens
         state.saved_upto = max(state.saved_upto, state.save_from_chunk)
-        self.hit_sources[request.request_id] = _trim(outcome.sources, num_external_tokens)
+        self.hit_sources[request.request_id] = dict(hits)
 
     def _copies(
         self, outcome: LookupOutcome, block_ids: list[int], num_external_tokens: int
@@ -342,7 +355,7 @@ class ConnectorScheduler:
         self, scheduled: list[tuple[str, int, int]], preempted: set[str] | None = None
     ) -> KvtierMetadata:
         """``scheduled``: (req id, computed tokens before the step, tokens this step)."""
-        self._wait_left = self.config.lookup_wait_ms / 1e3  # the next step's lookups
+        self._wait_left = self.config.lookup_wait_s  # the next step's lookups
         meta = KvtierMetadata(loads=self._pending_loads)
         self._pending_loads = []
         try:
@@ -369,9 +382,9 @@ class ConnectorScheduler:
     def _check_dispatch(self, job: LoadJob) -> None:
         """Last check before the workers copy: the leases must outlive the copy."""
         loading = self._loading.get(job.req_id)
-        if job.failed or loading is None or loading[0] is not job:
+        if job.failed or loading is None or loading.job is not job:
             return
-        outcome = loading[1]
+        outcome = loading.outcome
         if outcome.session_generation != self.pool.session_generation:
             # the store ended the session (no heartbeat got through: a frozen store, a starved
             # thread): every lease of it ended at once, whatever its TTL said
@@ -383,8 +396,9 @@ class ConnectorScheduler:
 
     def _renew_loading(self) -> None:
         """Keep the leases of loads in flight alive however long the steps take."""
-        for job, outcome in self._loading.values():
-            if job.failed or outcome.released or outcome.lease_lost:
+        for loading in self._loading.values():
+            outcome = loading.outcome
+            if loading.job.failed or outcome.released or outcome.lease_lost:
                 continue
             if self._remaining(outcome) < self._ttl(outcome) / 2:
                 outcome.leased_at = time.monotonic()
@@ -394,7 +408,7 @@ class ConnectorScheduler:
     def _renew(self, outcome: LookupOutcome, lease_id: int) -> None:
         try:
             # the store may grant less (what is left of the lease's lifetime)
-            outcome.granted(self.pool.renew(lease_id, self.config.lease_ttl_s))
+            outcome.granted(self.pool.renew(lease_id, self.config.load_lease_ttl_s))
         except KvtierError as exc:  # expired or unknown: its chunks may be gone
             outcome.lease_lost = True
             log.info("kvtier: lease of a load in flight lost: %s", exc)
@@ -408,15 +422,15 @@ class ConnectorScheduler:
         tainted = set(meta.error_blocks)
         for req_id in meta.load_failed:
             self._count(C.LOAD_FAILED_REQUESTS)
-            job_outcome = self._loading.get(req_id)
-            if job_outcome is not None:
-                tainted |= job_outcome[0].all_block_ids()
+            loading = self._loading.get(req_id)
+            if loading is not None:
+                tainted |= loading.job.all_block_ids()
             state = self._requests.get(req_id)
             if state is not None:
                 state.no_external = True  # do not offer the same bytes again
                 # vLLM recomputes from the first failed block: those chunks may be saved once
                 # a step of this request has recomputed them (``RequestState.recomputes``)
-                start = job_outcome[1].computed if job_outcome else 0
+                start = loading.outcome.computed if loading else 0
                 first = start // self.geometry.chunk_tokens
                 state.save_from_chunk = min(state.save_from_chunk, first)
                 state.saved_upto = min(state.saved_upto, first)
@@ -426,17 +440,17 @@ class ConnectorScheduler:
         self._evict_device(tainted)
         self.saves.on_reports(meta.saved, meta.save_failed)
         for req_id in set(meta.loaded) | set(meta.load_failed):
-            job_outcome = self._loading.pop(req_id, None)
-            if req_id in meta.loaded and req_id not in meta.load_failed:
-                for tier, tokens in self.hit_sources.get(req_id, {}).items():
+            loading = self._loading.pop(req_id, None)  # once: a later report counts nothing
+            if loading is not None and req_id not in meta.load_failed:
+                for tier, tokens in loading.hits.items():
                     counter = HIT_TOKENS.get(tier)
                     if counter is not None:
                         self._count(counter, tokens)
             state = self._requests.get(req_id)
             if state is not None:
                 state.load_tokens = 0
-            if job_outcome is not None:
-                self._release(job_outcome[1])
+            if loading is not None:
+                self._release(loading.outcome)
             orphan = self._release_after_load.pop(req_id, None)
             if orphan is not None:
                 self._release(orphan)
@@ -486,7 +500,7 @@ class ConnectorScheduler:
 
     def _ttl(self, outcome: LookupOutcome) -> float:
         """What the store granted the outcome's leases (what was asked, where not said)."""
-        return outcome.lease_ttl_s or self.config.lease_ttl_s
+        return outcome.lease_ttl_s or self.config.load_lease_ttl_s
 
     def _stale(self, outcome: LookupOutcome) -> bool:
         return not outcome.consumed and self._remaining(outcome) < self._ttl(outcome) / 2
@@ -500,6 +514,12 @@ class ConnectorScheduler:
         """True when vLLM must hold the request's blocks for a save not yet copied."""
         state = self._requests.pop(req_id, None)
         self.hit_sources.pop(req_id, None)
+        loading = self._loading.get(req_id)
+        if loading is not None and loading.job.is_async:
+            # aborted while waiting for its KV (vLLM schedules it only once the load is
+            # reported): no hit. A sync load's request finishing before the report ran the
+            # step the load was for: its hit is counted at the report.
+            loading.hits = {}
         if state is None:
             return False
         self._supersede_lookup(state)
@@ -522,13 +542,12 @@ class ConnectorScheduler:
         """Stop the threads; give back every lease still held (saves never sent, lookups never
         used), so a clean exit leaves the store as it found it."""
         self._lookups.shutdown(wait=True, cancel_futures=True)
-        self._alloc.shutdown(wait=True, cancel_futures=True)
-        self.saves.drop_all()
+        self.saves.shutdown()  # stops the alloc thread once the saves' aborts ran
         for state in self._requests.values():
             self._supersede_lookup(state)
             self._drop_outcome(state)
-        for _, outcome in self._loading.values():
-            self._release(outcome)
+        for loading in self._loading.values():
+            self._release(loading.outcome)
         for outcome in self._release_after_load.values():
             self._release(outcome)
         self._ops.shutdown(wait=True)

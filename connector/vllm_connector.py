@@ -28,13 +28,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector.config import parse_extra_config, with_engine_constraints
 from kvtier.connector.counters import C
 from kvtier.connector.guard import HookGuard
-from kvtier.connector.layout import describe, prefix_reuse_refused
+from kvtier.connector.layout import KvGeometry, ModelIdentity, describe, prefix_reuse_refused
 from kvtier.connector.metadata import KvtierMetadata, KvtierWorkerMetadata
 from kvtier.connector.scheduler import ConnectorScheduler
 from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
 from kvtier.connector.worker import ConnectorWorker
 from kvtier.core.errors import KvtierError
-from kvtier.tiers import open_tiers
+from kvtier.tiers import PoolTier, open_tiers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -125,7 +125,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ==== scheduler side =====================================================================
 
-    def _announce(self, vllm_config: VllmConfig, geometry: Any, identity: Any, tier: Any) -> Any:
+    def _announce(
+        self, vllm_config: VllmConfig, geometry: KvGeometry, identity: ModelIdentity, tier: PoolTier
+    ) -> Any:
         """With an index and vLLM's KV events on, tell the index to follow this instance (what
         it holds in GPU memory, for routers), instead of configuring every engine there."""
         events = vllm_config.kv_events_config

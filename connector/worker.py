@@ -48,7 +48,7 @@ from kvtier.connector.metadata import (
 )
 from kvtier.connector.paged_kv import CopyPlan, PagedKV, PoolView
 from kvtier.core.config.connector import ConnectorConfig
-from kvtier.tiers.cpu import checksum_views, map_segment
+from kvtier.store.client.shm import checksum_views, map_segment
 
 log = logging.getLogger(__name__)
 

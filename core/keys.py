@@ -24,6 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from kvtier.core.errors import ErrorCode, KvtierError
+
 KEY_BYTES = 16
 NAMESPACE_DOMAIN = b"kvtier/ns/v3\n"
 SPEC_VERSION = 3
@@ -231,6 +233,15 @@ def keys_from_hex(values: Iterable[str]) -> list[ChunkKey]:
             raise ValueError(f"a chunk key is {KEY_BYTES} bytes ({2 * KEY_BYTES} hex digits)")
         out.append(key)
     return out
+
+
+def check_keys(keys: Iterable[bytes]) -> None:
+    """Refuse (INVALID_ARGUMENT) anything that is not a chunk key, before it reaches a table."""
+    for key in keys:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise KvtierError(
+                ErrorCode.INVALID_ARGUMENT, f"a chunk key is {KEY_BYTES} bytes, got {key!r:.40}"
+            )
 
 
 def pack_keys(keys: Sequence[ChunkKey]) -> bytes:

@@ -125,9 +125,12 @@ def channel_options(max_message_bytes: int = MESSAGE_LIMIT) -> list[tuple[str, A
         # of inheriting a shared subchannel's reconnect backoff (up to 120 s)
         ("grpc.use_local_subchannel_pool", 1),
         # and a channel that saw its server die (a store restart: session heartbeats keep it
-        # busy) retries within a second, not after gRPC's default backoff of up to 120 s
+        # busy) retries within a second, not after gRPC's default backoff of up to 120 s.
+        # Not grpc.min_reconnect_backoff_ms: gRPC also takes it as the least time a connection
+        # attempt is given, and at 100 ms a client of a busy (not dead) server failed with
+        # "connection attempt timed out before receiving SETTINGS frame"; unset, an attempt
+        # gets gRPC's 20 s, and the caller's own deadline still bounds the call.
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 

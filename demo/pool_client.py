@@ -13,6 +13,7 @@ import numpy as np
 
 from kvtier.core.config import StoreConfig
 from kvtier.core.keys import Namespace, prompt_keys
+from kvtier.store.api import StoreAdmin
 from kvtier.store.client.shm import page_aligned_empty
 from kvtier.tiers import connect
 
@@ -70,7 +71,9 @@ def run_demo(address: str | None, chunks: int = 64, seed: int = 0) -> DemoReport
             and all(np.array_equal(g, d) for g, d in zip(dst, data, strict=True))
         )
         again = tier.put(ns_id, keys, data)
-        stats = tier.store.stats()
+        admin = tier.store  # the demo's own store: both surfaces of its API
+        assert isinstance(admin, StoreAdmin)
+        stats = admin.stats()
     return DemoReport(
         chunks=len(keys),
         chunk_bytes=chunk_bytes,

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.core.chunks import Tier
 from kvtier.core.errors import ErrorCode, KvtierError
-from kvtier.core.keys import KEY_BYTES, Namespace, chunk_keys
+from kvtier.core.keys import KEY_BYTES, Namespace, check_keys, chunk_keys
 from kvtier.store.api.events import EventKind
 
 # Tiers an entry can name. REMOTE is a consumer's point of view (another node's DRAM), not
@@ -332,14 +332,6 @@ def too_many_namespaces(limit: int) -> KvtierError:
         ErrorCode.LIMIT_EXCEEDED,
         f"the index knows {limit} namespaces (index.max_namespaces): refusing another",
     )
-
-
-def check_keys(keys: Iterable[bytes]) -> None:
-    for key in keys:
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise KvtierError(
-                ErrorCode.INVALID_ARGUMENT, f"a chunk key is {KEY_BYTES} bytes, got {key!r:.40}"
-            )
 
 
 def check_ops(ops: Sequence[ChunkOp], known_ns: Mapping[bytes, object]) -> None:

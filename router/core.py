@@ -13,7 +13,7 @@ stream with a cursor. Router replicas therefore learn each other's bursts from t
 events (milliseconds to a second later), not at once.
 
 The index is asked through an ``IndexGate`` (``index_gate.py``): with a deadline
-(``router.index_timeout_ms``), past which the decision is made by load alone.
+(``router.index_timeout_s``), past which the decision is made by load alone.
 
 Threading: ``route`` may run on several threads; the speculative table has a lock, policies
 are called under one (``sticky`` keeps a session table).

@@ -1,7 +1,7 @@
 """The index on a routing decision's hot path, with a deadline.
 
 An index that stops answering (a frozen process, a partition that drops packets) must not
-add its RPC timeout (10 s) to every request: past ``router.index_timeout_ms`` the decision
+add its RPC timeout (10 s) to every request: past ``router.index_timeout_s`` the decision
 goes on without it (routing by load, the policies' behaviour when nothing is known to be
 cached), the miss is counted, and ``/readyz`` says ``index: degraded``.
 

@@ -66,7 +66,7 @@ class RouterMetrics:
         self.index_degraded = Counter(
             "kvtier_router_index_degraded",
             "decisions made without the index (routed by load): it missed "
-            "router.index_timeout_ms (timeout), earlier calls still hold every slot (busy), "
+            "router.index_timeout_s (timeout), earlier calls still hold every slot (busy), "
             "or it failed (error)",
             ["reason"],
             registry=r,

@@ -152,7 +152,7 @@ def make_core(
         index,
         config.speculative_s,
         config.decision_log,
-        index_timeout_s=config.index_timeout_ms / 1e3,
+        index_timeout_s=config.index_timeout_s,
         on_index_degraded=lambda reason: metrics.index_degraded.labels(reason).inc(),
     )
 

@@ -10,7 +10,7 @@ As vLLM does (0.32, ``vllm/entrypoints/openai``): a completion's text prompt is 
 special tokens (``add_special_tokens`` defaults to true); a chat is rendered with the model's
 chat template (``add_generation_prompt`` true unless the request says otherwise,
 ``continue_final_message``, ``chat_template_kwargs``, ``tools``), text content parts joined
-with newlines, and the rendering encoded without special tokens. tests/test_router_vllm.py
+with newlines, and the rendering encoded without special tokens. tests/engine/test_router_vllm.py
 checks the ids equal vLLM's ``/tokenize`` for both.
 
 Long conversations: a session's rendering grows turn by turn. ``SessionCache`` keeps the last

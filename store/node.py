@@ -1,8 +1,11 @@
 """A node store: the pool segment plus the state machine, usable in-process or behind gRPC.
 
-``NodeStore`` is the store. ``kvtier store serve`` puts it behind gRPC/HTTP; embedded mode (no
-store address configured) uses it directly in the connector's process. Both go through the
-same ``StoreClient`` interface.
+``NodeStore`` is the store: the pool's segment, the state machine (``core``, a ``StoreCore``),
+the remote tier and the background threads (reaper, checksummer). Embedded mode (no store
+address configured) uses it directly in the connector's process, through the two surfaces of
+the store's API (``StoreClient``, ``StoreAdmin``), whose state-machine calls it hands to
+``core``. ``kvtier store serve`` puts it behind gRPC/HTTP, whose handlers call ``core`` (and
+the remote tier's ``fetcher``) themselves.
 
 Remote tier (``store.remote.enabled``): the pool is registered with a transfer engine, whose
 address ``info()`` publishes; peers read chunks leased with ``lease_for_peer``, and ``fetch``
@@ -21,7 +24,7 @@ file naming ``/dev/shm/victim`` or ``../x`` is logged and ignored.
 Sessions: clients may open sessions (``open_session``) and create leases under them; the
 reaper thread ends a session without heartbeat for ``store.session_timeout_s`` together with
 its leases (``kvtier.store.state.sessions``). It also retires namespaces left empty and unused
-(``kvtier.store.state.core``), so that the count of namespaces stays low.
+(``kvtier.store.state.namespaces``), so that the count of namespaces stays low.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from kvtier.core.config import StoreConfig
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace
 from kvtier.core.rpc import ClientAuth
-from kvtier.store.api import StoreClient, StoreInfo
+from kvtier.store.api import StoreAdmin, StoreClient, StoreInfo
 from kvtier.store.api.events import EventBatch, EventGap
 from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
@@ -62,7 +65,7 @@ LOCK_SUFFIX = ".lock"
 SEGMENT_RE = re.compile(r"kvtier-([A-Za-z0-9_.-]+)-[0-9a-f]{16}")  # what a store names its pool
 
 
-class NodeStore(StoreClient):
+class NodeStore(StoreClient, StoreAdmin):
     """The store itself. Thread-safe; ``close()`` releases the shared memory."""
 
     def __init__(
@@ -131,6 +134,8 @@ class NodeStore(StoreClient):
         self._reaper = threading.Thread(target=self._reap_loop, name="kvtier-reaper", daemon=True)
         self._reaper.start()
         self._checksum_wake = threading.Event()
+        # checksum chunks committed without one now: loads that verify wait for it
+        self.core.checksums.on_waiting = self._checksum_wake.set
         self._checksummer = threading.Thread(
             target=self._checksum_loop, name="kvtier-checksum", daemon=True
         )
@@ -143,7 +148,7 @@ class NodeStore(StoreClient):
             self.segment_name,
         )
 
-    # -- StoreClient -------------------------------------------------------------------------
+    # -- StoreClient and StoreAdmin: the state machine's calls go to ``core`` -----------------
 
     def info(self) -> StoreInfo:
         return StoreInfo(
@@ -187,10 +192,7 @@ class NodeStore(StoreClient):
         return self.core.allocate(ns_id, keys, sizes, ttl_s, session=session)
 
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
-        committed = self.core.commit(lease_id, keys, checksums)
-        if committed and not all(checksums):
-            self._checksum_wake.set()  # checksum them now: loads that verify wait for it
-        return committed
+        return self.core.commit(lease_id, keys, checksums)
 
     def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int:
         return self.core.abort(lease_id, keys)
@@ -245,7 +247,7 @@ class NodeStore(StoreClient):
     ) -> LookupResult:
         self.core.limits.check_batch(len(keys))
         # Under the peer's session: it ends with it, and counts against its bounds.
-        return self._remote_tier().lease_for_peer(ns_id, keys, lease_ttl_s, session)
+        return self._remote_tier().fetcher.lease_for_peer(ns_id, keys, lease_ttl_s, session)
 
     def fetch(
         self,
@@ -255,7 +257,7 @@ class NodeStore(StoreClient):
         timeout_s: float | None = None,
     ) -> FetchResult:
         self.core.limits.check_batch(len(keys))
-        return self._remote_tier().fetch(ns_id, keys, holder, timeout_s)
+        return self._remote_tier().fetcher.fetch(ns_id, keys, holder, timeout_s)
 
     def start_remote(self, grpc_address: str) -> None:
         """Called once the store serves gRPC at ``grpc_address`` (what peers fetch from)."""
@@ -264,11 +266,7 @@ class NodeStore(StoreClient):
 
     def _remote_tier(self) -> RemoteTier:
         if self.remote is None:
-            raise KvtierError(
-                ErrorCode.UNAVAILABLE,
-                f"store {self.config.node_id} runs without the remote tier "
-                "(store.remote.enabled = false)",
-            )
+            raise remote_tier_off(self.config.node_id)
         return self.remote
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -323,6 +321,14 @@ class NodeStore(StoreClient):
         with contextlib.suppress(FileNotFoundError):
             self._lock_path.unlink()
         os.close(self._lock_fd)
+
+
+def remote_tier_off(node_id: str) -> KvtierError:
+    """What a store without the remote tier answers a fetch or a peer's lease."""
+    return KvtierError(
+        ErrorCode.UNAVAILABLE,
+        f"store {node_id} runs without the remote tier (store.remote.enabled = false)",
+    )
 
 
 def prepare_run_dir(run_dir: Path) -> Path:

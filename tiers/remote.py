@@ -25,8 +25,7 @@ from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.index.api import ChunkIndex, ChunkOp, LocationKind, Query
 from kvtier.store.api.events import EventKind
 from kvtier.store.api.remote import FetchStatus
-from kvtier.tiers.base import StageResult, StageStatus, StagingTier
-from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.base import PoolTier, StageResult, StageStatus, StagingTier
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ ADDRESS_REFRESH_S = 10.0
 class RemoteTier(StagingTier):
     name = "remote"
 
-    def __init__(self, index: ChunkIndex, pool: CpuTier, fetch_timeout_s: float) -> None:
+    def __init__(self, index: ChunkIndex, pool: PoolTier, fetch_timeout_s: float) -> None:
         self.index = index
         self.pool = pool
         self.fetch_timeout_s = fetch_timeout_s

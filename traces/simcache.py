@@ -10,7 +10,7 @@ chunk one page and no leases, using the store's own policy objects (``make_polic
   the whole batch is placed (allocate, then commit). Keys being written cannot be evicted, so a
   batch larger than the cache stores what fits and drops the rest (NO_SPACE).
 
-tests/test_trace_simulate.py drives a real StoreCore and a BlockCache with the same operations
+tests/unit/traces/test_simulate.py drives a real StoreCore and a BlockCache with the same operations
 and checks that they hit and keep the same keys.
 
 Threading: not thread-safe. Keys are any hashable (trace hash ids here).

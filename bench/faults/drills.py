@@ -1,4 +1,4 @@
-"""The fault drills of ``kvtier bench faults`` (and of ``tests/test_fault_drills.py``).
+"""The fault drills of ``kvtier bench faults`` (and of ``tests/drills/test_fault_drills.py``).
 
 Most drills follow one shape, ``poison_flow``: an instance stores prompts A (300 tokens, 4
 chunks of 64), resets its GPU cache, then runs prompts B (A's first 256 tokens + 200 new ones:
@@ -25,9 +25,17 @@ from kvtier.bench.faults.run import (
 )
 from kvtier.testing.models import make_tiny_llama
 from kvtier.testing.ports import free_port
-from kvtier.testing.services import Service, kvtier_argv, start_store, store_args
+from kvtier.testing.services import (
+    Service,
+    kvtier_argv,
+    process_state,
+    start_store,
+    store_args,
+    store_leases,
+)
 
 RESET = {"op": "reset_prefix_cache"}
+SETTLE = {"op": "settle"}  # the engine idle and every store call its connector queued done
 METRICS = {"op": "metrics"}
 DISARM = {"op": "disarm"}
 
@@ -39,25 +47,17 @@ def _store(ctx: DrillContext, capacity: str = "256MiB", **kwargs: Any) -> Servic
 def live_leases(store: Service) -> dict:
     """A phase reading the store's lease count while the engine is alive and idle: a lease
     the connector leaked is still held then (once the engine exits, closing its session
-    releases everything, which is why reading after the run could never show a leak)."""
-    return {"op": "store_leases", "address": store.address}
+    releases everything, which is why reading after the run could never show a leak). The
+    store is asked for as long as its process runs (``store_leases``), however slow to
+    answer a loaded machine makes it."""
+    return {"op": "store_leases", "address": store.address, "pid": store.pid}
 
 
 def _leases(store: Service) -> int:
     """Leases still held at the store once every instance has exited (0 for a dead store:
     its leases died with it). Catches leases of clients without a session only: drills
-    read ``live_leases`` while the engine runs."""
-    from kvtier.store.client.grpc import GrpcStoreClient
-
-    if store.proc.poll() is not None:
-        return 0
-
-    client = GrpcStoreClient(store.address)
-    try:
-        stats = client.stats()
-        return int(stats["read_leases"]) + int(stats["write_leases"])
-    finally:
-        client.close()
+    read ``live_leases`` while the engine runs. Asked for as long as the store runs."""
+    return store_leases(store.address, store.pid)
 
 
 def poison_flow(
@@ -133,10 +133,9 @@ def _restart_flow(
     config = {"store_address": store.address}
     phases: list[dict] = []
     for i, b in enumerate(prompts.b):
-        # the sleep: A's saves commit before B looks up (else B finds nothing to load and the
-        # fault, armed for B's load, never fires)
-        settle = {"op": "sleep", "seconds": 1.0}
-        phases += [generate([prompts.a[i]]), RESET, settle, fault(store), generate([b])]
+        # settled: A's saves are committed before B looks up (else B finds nothing to load and
+        # the fault, armed for B's load, never fires), however long the store takes
+        phases += [generate([prompts.a[i]]), RESET, SETTLE, fault(store), generate([b])]
     phases += [DISARM, RESET, generate(prompts.b), METRICS]
     out = ctx.vllm(phases, config)
     reference = ctx.reference(prompts.a + prompts.b)
@@ -150,27 +149,33 @@ def _restart_flow(
 
 
 def _restarted(ready_file: Path) -> Service:
+    """The store the fault started last (not this process's child): its address and pid."""
     import json
     import subprocess
 
     ready = json.loads(ready_file.read_text())
-    return Service(subprocess.Popen(["true"]), ready)  # only its address is used
+    return Service(subprocess.Popen(["true"]), ready)  # address, and pid from ``ready``
 
 
 def _stop_restarted(ready_file: Path) -> None:
+    """Stop the store the fault started last as ``Service.stop`` stops one: SIGTERM, then
+    SIGKILL if it still runs 20 s later; returns once it is gone."""
+    import contextlib
     import json
     import os
     import signal
 
-    if ready_file.exists():
-        pid = json.loads(ready_file.read_text())["pid"]
-        try:
-            os.kill(pid, signal.SIGTERM)
-            for _ in range(100):
-                os.kill(pid, 0)
-                time.sleep(0.1)
-        except ProcessLookupError:
-            pass
+    if not ready_file.exists():
+        return
+    pid = json.loads(ready_file.read_text())["pid"]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGTERM)
+        kill_at = time.monotonic() + 20
+        while process_state(pid) != "gone":
+            if time.monotonic() > kill_at:
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
 
 
 # -- 2. a failed load in a step that also completes chunks ------------------------------------
@@ -178,7 +183,7 @@ def _stop_restarted(ready_file: Path) -> None:
 
 def lapsed_lease(ctx: DrillContext) -> DrillResult:
     return poison_flow(
-        ctx, lambda s: {"op": "fault", "kind": "stall", "seconds": 0.9}, {"lease_ttl_s": 1.0}
+        ctx, lambda s: {"op": "fault", "kind": "stall", "seconds": 0.9}, {"load_lease_ttl_s": 1.0}
     )
 
 
@@ -341,13 +346,13 @@ def pool_too_small(ctx: DrillContext) -> DrillResult:
 def store_hung(ctx: DrillContext) -> DrillResult:
     """The store stops answering (SIGSTOP) while every prompt arrives at once: requests go on
     as misses within the deadlines, and the scheduler's time in kvtier per step stays within
-    one ``lookup_wait_ms`` budget plus its own work, however many requests wait (reported
+    one ``lookup_wait_s`` budget plus its own work, however many requests wait (reported
     per step, and the longest single call)."""
     result = DrillResult("", "")
     prompts = ctx.prompts(12)
     store = _store(ctx)
     try:
-        config = {"store_address": store.address, "lookup_deadline_ms": 500, "save_defer_s": 1}
+        config = {"store_address": store.address, "lookup_deadline_s": 0.5, "save_defer_s": 1}
         phases = [
             generate(prompts.a),
             RESET,

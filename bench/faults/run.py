@@ -162,7 +162,7 @@ def _pkey(prompt: list[int] | dict) -> str:
 # share the schedule. So for requests decoded together the drill compares what is exact
 # whatever the batch: the prompt logprobs past the cached prefix and the first sampled
 # position (its token and top logprobs), which reads every position's KV, loaded or not.
-# Exactness of later decode steps over loaded KV is held by tests/engine_rig.py instead.
+# Exactness of later decode steps over loaded KV is held by tests/support/engine_rig.py instead.
 
 
 def _first_position(out: dict) -> tuple:

@@ -16,8 +16,8 @@ The GPU checks (``tests/gpu``) and ``kvtier bench kv-copy --device cuda`` run on
 without vLLM's CUDA build, so this module mirrors the arithmetic of vLLM's
 ``compute_layout_strides``, ``create_kv_cache_views`` (``vllm/v1/kv_cache_interface.py``) and
 ``get_kv_cache_config_from_groups`` (``vllm/v1/core/kv_cache_utils.py``) for uniform page
-sizes without padding. ``tests/test_kv_layouts.py`` holds every case below to vLLM's real
-functions, so a vLLM upgrade that moves a byte fails there, not silently on a GPU.
+sizes without padding. ``tests/unit/connector/test_kv_layouts.py`` holds every case below to
+vLLM's real functions, so a vLLM upgrade that moves a byte fails there, not silently on a GPU.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from kvtier.core.config import StoreConfig
 from kvtier.core.keys import Namespace, prompt_keys
+from kvtier.store.api import StoreAdmin
 from kvtier.store.client.shm import page_aligned_empty
 from kvtier.testing.services import start_store
 from kvtier.tiers import connect
@@ -126,7 +127,7 @@ def measure_throughput(
         best["memcpy"] = min(best["memcpy"], time.perf_counter() - start)
 
         keys = _keys(ns, n, r)
-        tier.store.clear()  # each round starts from an empty pool: no eviction in the timing
+        _admin(tier).clear()  # each round starts from an empty pool: no eviction in the timing
         start = time.perf_counter()
         result = tier.put_stream(ns_id, keys, src, batch * size)
         assert result.stored == n, result
@@ -140,9 +141,17 @@ def measure_throughput(
             progress.update(1)
     if not all(np.array_equal(dst[i], src[i]) for i in range(0, n, max(1, n // 8))):
         raise AssertionError("pool returned different bytes")
-    tier.store.clear()
+    _admin(tier).clear()
     gbs = {k: n * size / v / 1e9 for k, v in best.items()}
     return ThroughputRow(size, n, batch, gbs["memcpy"], gbs["put"], gbs["get"])
+
+
+def _admin(tier: CpuTier) -> StoreAdmin:
+    """The store's admin surface: the benchmark owns the store it measures (embedded, or a
+    process it started), and empties it between rounds."""
+    store = tier.store
+    assert isinstance(store, StoreAdmin)
+    return store
 
 
 def measure_control(
@@ -170,7 +179,7 @@ def measure_control(
         for op, samples in times.items():
             median = float(np.median(samples))
             rows.append(ControlRow(transport, op, batch, median * 1e6, median * 1e6 / batch))
-        store.clear()
+        _admin(tier).clear()
     return rows
 
 

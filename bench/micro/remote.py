@@ -163,12 +163,13 @@ def measure_size(
     rng = np.random.default_rng(size)
     data = rng.integers(0, 256, size=(min(n_keys, 16), size), dtype=np.uint8)
 
-    with CpuTier(GrpcStoreClient(holder["grpc"])) as h:
+    holder_client = GrpcStoreClient(holder["grpc"])
+    with CpuTier(holder_client) as h:
         ns_id = h.register_namespace(ns, size)
         h.put(ns_id, keys, [data[i % len(data)] for i in range(n_keys)])
-        lease = h.store.lease_for_peer(ns_id, keys, 600)  # also makes sure checksums exist
+        lease = holder_client.lease_for_peer(ns_id, keys, 600)  # also makes sure checksums exist
         hits = lease.hits
-        h.store.release([lease.lease_id])
+        holder_client.release([lease.lease_id])
     info = GrpcStoreClient(holder["grpc"]).info()
     peer = PeerPool(info.transfer_address, info.transfer_base, info.segment_size)
     slot = [(i * size, size) for i in range(batch)]

@@ -51,7 +51,9 @@ class Credential(Section):
         "server with auth.tls.cert_file, key_file and ca_file; a bearer token, when one is "
         "presented, decides instead",
     )
-    role: Role
+    role: Role = Field(
+        description="admin, engine, node, index, reader or client (docs/security.md)"
+    )
     tenants: list[str] = Field(
         default_factory=list,
         description="engine only: store.tenants names whose namespaces it may use; "
@@ -74,6 +76,8 @@ class Credential(Section):
 
 
 class TlsConfig(Section):
+    """TLS for this process's servers and the servers it calls."""
+
     cert_file: Path | None = Field(None, description="server: PEM certificate chain")
     key_file: Path | None = Field(None, description="server: PEM private key")
     ca_file: Path | None = Field(
@@ -98,9 +102,13 @@ class TlsConfig(Section):
 
 
 class AuthConfig(Section):
+    """Who may call this process's services, and what it presents when it calls one."""
+
     token: SecretStr | None = Field(None, description="what this process presents (env/file)")
     token_file: Path | None = Field(None, description="read the token from this file")
-    credentials: list[Credential] = Field(default_factory=list)
+    credentials: list[Credential] = Field(
+        default_factory=list, description="the callers this process's services accept"
+    )
     credentials_file: Path | None = Field(
         None, description="TOML file of [[credentials]] tables, added to credentials"
     )

@@ -4,11 +4,11 @@ this section's flags (see ``kvtier.connector.config``). The store and index it t
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from kvtier.core.config.section import Section
+from kvtier.core.config.section import Renamed, Section
 
 SavePolicy = Literal["none", "prompt", "prompt_and_output"]
 LoadMode = Literal["async", "sync"]
@@ -17,6 +17,15 @@ TierName = Literal["cpu", "remote"]
 
 class ConnectorConfig(Section):
     """How a vLLM instance uses kvtier."""
+
+    SECTION: ClassVar[str] = "connector"
+    RENAMED: ClassVar[dict[str, Renamed]] = {
+        "lookup_wait_ms": Renamed("lookup_wait_s", 1e-3),
+        "lookup_deadline_ms": Renamed("lookup_deadline_s", 1e-3),
+        "save_wait_ms": Renamed("save_wait_s", 1e-3),
+        "lease_ttl_s": Renamed("load_lease_ttl_s"),
+        "max_namespaces": Renamed("namespace_cache_size"),
+    }
 
     instance_id: str | None = Field(
         None, description="this instance's identity in the index (default: vLLM's engine id)"
@@ -36,7 +45,11 @@ class ConnectorConfig(Section):
         "copies: on an H200 a DRAM load reached 0.85 of a pinned cudaMemcpy with 256, 0.91 "
         "with 512, 0.95 with 1024 (hits stop at the last whole chunk)",
     )
-    tiers: list[TierName] = Field(default_factory=lambda: list[TierName](["cpu"]))
+    tiers: list[TierName] = Field(
+        default_factory=lambda: list[TierName](["cpu"]),
+        description="where loads read from, in order: cpu (this node's DRAM pool, always "
+        "first) and remote (other nodes' pools, found through index.address)",
+    )
     save: SavePolicy = Field(
         "prompt_and_output",
         description="which full chunks to store: none, prompt only, or prompt + generated "
@@ -61,8 +74,8 @@ class ConnectorConfig(Section):
         description="skip a tier whose run is shorter than this: below it, recomputing "
         "is cheaper than the load's fixed cost",
     )
-    lookup_wait_ms: float = Field(
-        5.0,
+    lookup_wait_s: float = Field(
+        0.005,
         ge=0,
         description="per engine step, wait at most this long in total for store lookups "
         "before telling vLLM 'ask again' (one budget shared by every waiting request)",
@@ -73,14 +86,14 @@ class ConnectorConfig(Section):
         description="lookups in flight at most; a request arriving past it is a miss "
         "(recomputed) instead of queueing behind a slow store",
     )
-    lookup_deadline_ms: float = Field(
-        5000.0,
+    lookup_deadline_s: float = Field(
+        5.0,
         gt=0,
         description="a lookup still pending this long after it started answers 'no hit' "
         "(the request recomputes) instead of 'ask again'",
     )
-    save_wait_ms: float = Field(
-        2.0,
+    save_wait_s: float = Field(
+        0.002,
         ge=0,
         description="a step waits this long for pool space for the chunks it completes; a "
         "later answer is used in a later step (the blocks are held until copied)",
@@ -104,10 +117,19 @@ class ConnectorConfig(Section):
     fingerprint_weights: bool = Field(
         True, description="read the weight files at start-up to fingerprint them (a few MB)"
     )
-    max_namespaces: int = Field(
-        4096, ge=1, description="namespaces (salts x adapters) remembered before the oldest go"
+    namespace_cache_size: int = Field(
+        4096,
+        ge=1,
+        description="namespace registrations (salts x adapters) this instance remembers, to "
+        "re-register them after a store restart; the least recently used go first. Not a "
+        "limit: the store bounds namespaces with store.max_namespaces",
     )
-    lease_ttl_s: float = Field(60.0, gt=0, description="read leases held from lookup to load")
+    load_lease_ttl_s: float = Field(
+        60.0,
+        gt=0,
+        description="TTL the connector asks for the read leases it holds on a hit from lookup "
+        "to load (the store grants at most store.max_lease_ttl_s)",
+    )
     remote_fetch_timeout_s: float = Field(
         2.0, gt=0, description="a pull from another node's store ends by then (else recompute)"
     )
@@ -124,9 +146,9 @@ class ConnectorConfig(Section):
     def _consistent(self) -> ConnectorConfig:
         if len(set(self.tiers)) != len(self.tiers):
             raise ValueError(f"tiers lists a tier twice: {self.tiers}")
-        if "remote" in self.tiers and self.lookup_deadline_ms < self.remote_fetch_timeout_s * 1e3:
+        if "remote" in self.tiers and self.lookup_deadline_s < self.remote_fetch_timeout_s:
             raise ValueError(
-                "lookup_deadline_ms must exceed remote_fetch_timeout_s (a pull would always be "
+                "lookup_deadline_s must exceed remote_fetch_timeout_s (a pull would always be "
                 "given up before it could finish)"
             )
         return self

@@ -20,7 +20,7 @@ class VllmSource(Section):
     replay_endpoint: str | None = Field(
         None, description="its ZMQ ROUTER replay socket; without it gaps cannot be recovered"
     )
-    topic: str = ""
+    topic: str = Field("", description="ZMQ topic its events are published under")
     namespaces: list[Namespace] = Field(
         min_length=1, description="what its KV is: one namespace per rank it serves"
     )
@@ -42,15 +42,22 @@ class IndexConfig(Section):
     address: str | None = Field(
         None, description="client side: host:port of a running index; unset = embedded index"
     )
-    backend: Literal["memory", "redis"] = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    backend: Literal["memory", "redis"] = Field(
+        "memory",
+        description="memory: this process holds the index; redis: replicas share redis_url",
+    )
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="the Redis server of backend = redis"
+    )
     redis_prefix: str = Field("kvtier:index:", description="key prefix (one per cluster)")
-    redis_timeout_s: float = Field(1.0, gt=0)
-    grpc_host: str = "127.0.0.1"
-    grpc_port: int = Field(50561, ge=0, le=65535)
-    http_host: str = "127.0.0.1"
-    http_port: int = Field(50562, ge=0, le=65535)
-    grpc_workers: int = Field(8, ge=2)
+    redis_timeout_s: float = Field(1.0, gt=0, description="deadline of one Redis call")
+    grpc_host: str = Field("127.0.0.1", description="address the gRPC API binds")
+    grpc_port: int = Field(50561, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    http_host: str = Field(
+        "127.0.0.1", description="address the HTTP API (health, metrics, queries) binds"
+    )
+    http_port: int = Field(50562, ge=0, le=65535, description="HTTP port; 0 picks a free one")
+    grpc_workers: int = Field(8, ge=2, description="threads serving gRPC calls")
     heartbeat_timeout_s: float = Field(
         30.0, gt=0, description="a location silent this long is dropped (entries removed)"
     )
@@ -98,9 +105,14 @@ class IndexConfig(Section):
     replica_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="this index process among replicas (the owner of its claims)",
+        json_schema_extra={"default_doc": "HOSTNAME-PID"},
     )
-    vllm: list[VllmSource] = Field(default_factory=list)
-    stores: list[StoreSource] = Field(default_factory=list)
+    vllm: list[VllmSource] = Field(
+        default_factory=list, description="vLLM engines whose KV events the index follows"
+    )
+    stores: list[StoreSource] = Field(
+        default_factory=list, description="node stores whose event streams the index follows"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> IndexConfig:

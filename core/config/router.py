@@ -7,12 +7,12 @@ import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from kvtier.core.config.section import Section
+from kvtier.core.config.section import Renamed, Section
 
 POLICY_NAMES = ("round-robin", "least-load", "sticky", "cache-aware", "lmetric", "hybrid", "kvtier")
 
@@ -116,10 +116,19 @@ class BackendConfig(Section):
 
 
 class RouterConfig(Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8100, ge=0, le=65535)
+    """The front door (``kvtier router serve``) and the Gateway API endpoint picker."""
+
+    SECTION: ClassVar[str] = "router"
+    RENAMED: ClassVar[dict[str, Renamed]] = {"index_timeout_ms": Renamed("index_timeout_s", 1e-3)}
+
+    host: str = Field(
+        "127.0.0.1", description="address the router's OpenAI API (and health, metrics) binds"
+    )
+    port: int = Field(8100, ge=0, le=65535, description="HTTP port; 0 picks a free one")
     policy: str = Field("kvtier", description=f"one of {', '.join(POLICY_NAMES)}")
-    backends: list[BackendConfig] = Field(default_factory=list)
+    backends: list[BackendConfig] = Field(
+        default_factory=list, description="instances listed by hand (besides discovered ones)"
+    )
     discover: bool = Field(
         True, description="also route to instances that announce an api endpoint to the index"
     )
@@ -141,9 +150,11 @@ class RouterConfig(Section):
     refresh_s: float = Field(2.0, gt=0, description="re-read backends from the index this often")
     scrape_s: float = Field(1.0, gt=0, description="scrape each instance's /metrics this often")
     probe_s: float = Field(5.0, gt=0, description="active health probe (a 1-token completion)")
-    probe_timeout_s: float = Field(10.0, gt=0)
+    probe_timeout_s: float = Field(10.0, gt=0, description="deadline of one health probe")
     eject_s: float = Field(10.0, gt=0, description="an instance that failed stays out this long")
-    connect_timeout_s: float = Field(2.0, gt=0)
+    connect_timeout_s: float = Field(
+        2.0, gt=0, description="deadline of a new connection to an instance"
+    )
     first_byte_timeout_s: float = Field(
         600.0, gt=0, description="no response headers by then: the instance is hung"
     )
@@ -184,8 +195,8 @@ class RouterConfig(Section):
     # 2 cores, 5/10/25 ms deadlines missed 41/31/7 % of a healthy index's answers at 8
     # concurrent 32k-token requests (9/3/2 % one at a time), 50 ms none. A frozen index
     # costs only a few requests the deadline (index_gate.py), then nothing.
-    index_timeout_ms: float = Field(
-        50.0,
+    index_timeout_s: float = Field(
+        0.05,
         gt=0,
         description="deadline of the index query of one routing decision; past it the "
         "request is routed by load alone (kvtier_router_index_degraded_total, /readyz "

@@ -141,7 +141,9 @@ class PoolConfig(Section):
         ByteSize(64 << 10),
         description="allocation unit; a chunk takes whole pages, not necessarily contiguous",
     )
-    eviction: EvictionPolicyName = "s3fifo"
+    eviction: EvictionPolicyName = Field(
+        "s3fifo", description="which chunks a full pool evicts first: lru or s3fifo"
+    )
     prefault: bool = Field(True, description="touch every page at start so no put page-faults")
 
     @model_validator(mode="after")
@@ -181,14 +183,20 @@ def default_run_dir() -> Path:
 class StoreConfig(Section):
     """The per-node store service (and the client's view of it)."""
 
-    node_id: str = Field(default_factory=socket.gethostname, description="identity in events")
+    node_id: str = Field(
+        default_factory=socket.gethostname,
+        description="identity in events",
+        json_schema_extra={"default_doc": "this host's name"},
+    )
     address: str | None = Field(
         None, description="client side: host:port of a running store; unset = embedded store"
     )
-    grpc_host: str = "127.0.0.1"
-    grpc_port: int = Field(50551, ge=0, le=65535)
-    http_host: str = "127.0.0.1"
-    http_port: int = Field(50552, ge=0, le=65535)
+    grpc_host: str = Field("127.0.0.1", description="address the gRPC control API binds")
+    grpc_port: int = Field(50551, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    http_host: str = Field(
+        "127.0.0.1", description="address the HTTP API (health, metrics, stats) binds"
+    )
+    http_port: int = Field(50552, ge=0, le=65535, description="HTTP port; 0 picks a free one")
     unix_socket: Path | None = Field(
         None,
         description="also serve the control API on this Unix socket (its directory is made "
@@ -199,10 +207,18 @@ class StoreConfig(Section):
         description="lock files that tell a restart what a crashed store left behind; private "
         "to the store's uid (made 0700; refused when another uid owns it or others may write "
         "it). Default: $XDG_RUNTIME_DIR/kvtier, else ~/.cache/kvtier/run",
+        json_schema_extra={"default_doc": "$XDG_RUNTIME_DIR/kvtier, else ~/.cache/kvtier/run"},
     )
-    lease_ttl_s: float = Field(30.0, gt=0, description="read lease lifetime")
+    lease_ttl_s: float = Field(
+        30.0,
+        gt=0,
+        description="read lease lifetime when the caller names none (a renew without a TTL, "
+        "a peer's pull); told to clients in the store's info",
+    )
     write_ttl_s: float = Field(60.0, gt=0, description="allocate-to-commit deadline")
-    max_lease_ttl_s: float = Field(600.0, gt=0)
+    max_lease_ttl_s: float = Field(
+        600.0, gt=0, description="the longest TTL one lease is granted, whatever was asked"
+    )
     max_lease_lifetime_s: float = Field(
         600.0,
         gt=0,
@@ -256,7 +272,7 @@ class StoreConfig(Section):
     event_buffer: int = Field(
         65536, ge=16, description="event batches kept for subscribers that fall behind"
     )
-    grpc_workers: int = Field(16, ge=2)
+    grpc_workers: int = Field(16, ge=2, description="threads serving gRPC calls")
     index_address: str | None = Field(
         None, description="deprecated: set index.address (the store announces itself there)"
     )

@@ -37,6 +37,7 @@ from kvtier.core.keys import KEY_BYTES
 from kvtier.core.rpc import ClientAuth
 from kvtier.index.api import ApplyStatus, ChunkIndex, ChunkOp, LocationKind, Registration
 from kvtier.index.ingest.follower import Follower, SourceState
+from kvtier.store.api import StoreAdmin
 from kvtier.store.api.events import EventBatch, EventGap, EventKind
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class StoreFollower(Follower):
         self.source = source
         self.auth = auth
         self.verify = verify
-        self._client = None
+        self._client: StoreAdmin | None = None  # the store's surface for those who follow it
         self._node = ""  # the store's node id: our location name
         self._epoch = 0
         self._next = 0  # next store seq to read

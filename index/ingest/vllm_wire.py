@@ -4,8 +4,9 @@ The index service runs without vLLM or torch, so these msgspec structs mirror vL
 ``vllm.distributed.kv_events`` (0.32) field for field: a ZMQ multipart message
 ``[topic, seq (8 bytes big-endian), payload]`` whose payload is the msgpack array
 ``[ts, events, data_parallel_rank]``; each event is a map tagged ``{"type": "BlockStored"}``
-etc., sent with ``omit_defaults``. tests/test_index_vllm_*.py check this mirror against
-vLLM's own encoder and a running engine.
+etc., sent with ``omit_defaults``. tests/unit/index/test_vllm_blocks.py and
+tests/integration/test_index_vllm_follower.py check this mirror against vLLM's own encoder and
+a running engine.
 
 Events are decoded one by one (the batch's list is kept as raw msgpack first), so one
 malformed or unknown event is skipped and counted instead of losing its whole batch.

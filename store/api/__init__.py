@@ -1,4 +1,7 @@
-"""The node store's control API, one interface for the embedded store and the gRPC client.
+"""The node store's control API, in two surfaces an embedded store and the gRPC client both
+implement: ``StoreClient``, what an engine calls (through its tiers), and ``StoreAdmin``, what
+operators, the index and peer stores call. Each caller holds the one it needs: a vLLM instance
+can neither clear a shared pool nor read its event stream through its handle.
 
 Data never goes through this API: it returns *where* chunks are in the pool's shared-memory
 segment, and the caller copies bytes in or out itself (see ``kvtier.tiers.cpu``).
@@ -13,9 +16,15 @@ heartbeat in time: the client died) the store ends its leases at once: read leas
 write leases aborted. Without a session (``session=0``) a lease lives until released or
 expired, as an embedded store's do. ``GrpcStoreClient`` does all of this by itself.
 Remote tier:        ``fetch(ns_id, keys, holder)`` pulls a run of chunks from another node's
-store into this one; then get them as above (see ``kvtier.store.remote.fetch``).
+store into this one; then get them as above (see ``kvtier.store.remote.fetch``). The holder's
+side of it is ``StoreAdmin.lease_for_peer``.
 
-Modules: this one (the interface), ``types`` (statuses and results), ``events`` (the event
+Over gRPC the surfaces are permissions too (``kvtier.store.server.grpc.STORE_PERMISSIONS``):
+the engine's calls are STORE_DATA (``info``: STORE_INFO); the admin surface's are STORE_ADMIN
+(``clear``), STORE_OBSERVE (``stats``, ``snapshot``, ``read_events``) and STORE_PEER
+(``lease_for_peer``).
+
+Modules: this one (the interfaces), ``types`` (statuses and results), ``events`` (the event
 stream's vocabulary), ``remote`` (what a fetch answers). Other packages import the store only
 through ``kvtier.store.api`` and ``kvtier.store.client``.
 
@@ -28,7 +37,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace
@@ -54,21 +63,40 @@ class StoreInfo:
     session_timeout_s: float = 0.0  # a session without heartbeat this long ends (0: no sessions)
 
 
-class StoreClient(abc.ABC):
-    """Control plane of one node store."""
+class StoreHandle(abc.ABC):
+    """What every caller of a node store holds: the incarnation it is attached to, and the
+    connection (closed with ``close``)."""
 
     @abc.abstractmethod
     def info(self) -> StoreInfo: ...
-
-    def local_segment(self) -> SharedSegment | None:
-        """The pool's mapping when the store runs in this process (embedded), else None:
-        clients then map the segment ``info()`` names."""
-        return None
 
     def reattach(self) -> StoreInfo:
         """After STALE_EPOCH: adopt the store's current incarnation and return its info. An
         in-process store never restarts under its client, so it just answers ``info()``."""
         return self.info()
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release client resources (the store keeps running unless embedded)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StoreClient(StoreHandle):
+    """The engine's surface of one node store: namespaces, leased lookups, writes, its own
+    session, and pulls from other nodes (``kvtier.tiers`` is its one caller in the product)."""
+
+    # How many of this client's sessions the store ended (no heartbeat got through, store
+    # restarted): a lease taken before the count moved may be gone. 0 without sessions.
+    sessions_ended: int = 0
+
+    def local_segment(self) -> SharedSegment | None:
+        """The pool's mapping when the store runs in this process (embedded), else None:
+        clients then map the segment ``info()`` names."""
+        return None
 
     @abc.abstractmethod
     def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
@@ -134,7 +162,28 @@ class StoreClient(abc.ABC):
         (0 for an unknown session)."""
 
     @abc.abstractmethod
-    def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int: ...
+    def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
+        """Remove chunks of ``ns_id`` (an engine drops chunks whose bytes failed their
+        checksum); keys it does not hold are skipped."""
+
+    def fetch(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        holder: str,
+        timeout_s: float | None = None,
+    ) -> FetchResult:
+        """Pull ``keys`` (a prefix run) from the store at gRPC address ``holder`` into this
+        store: one transfer batch, checksums verified, committed here. Peer failures are
+        ``FetchResult.status``, not exceptions; bad arguments raise KvtierError. Returns
+        within ``timeout_s`` (default ``remote.fetch_timeout_s``) plus one control call. A
+        store without the remote tier answers UNAVAILABLE."""
+        raise KvtierError(ErrorCode.UNAVAILABLE, f"{type(self).__name__} has no remote tier")
+
+
+class StoreAdmin(StoreHandle):
+    """The operators', the index's and peer stores' surface of one node store: clearing it,
+    its stats, its event stream (what the index follows), and the holder's side of a fetch."""
 
     @abc.abstractmethod
     def clear(self) -> int: ...
@@ -151,8 +200,6 @@ class StoreClient(abc.ABC):
     ) -> list[EventBatch] | EventGap:
         """Event batches from ``from_seq`` on, or the gap if the store no longer has them."""
 
-    # -- remote tier (a store without it answers UNAVAILABLE) -------------------------------
-
     def lease_for_peer(
         self,
         ns_id: bytes,
@@ -164,27 +211,6 @@ class StoreClient(abc.ABC):
     ) -> LookupResult:
         """Holder side of a fetch: ``lookup`` with a read lease whose hits all carry their
         checksum (computed on the spot if need be), for a peer's transfer engine to read. The
-        lease ends with ``session`` too (the fetching store's session at the holder)."""
+        lease ends with ``session`` too (the fetching store's session at the holder). A
+        store without the remote tier answers UNAVAILABLE."""
         raise KvtierError(ErrorCode.UNAVAILABLE, f"{type(self).__name__} has no remote tier")
-
-    def fetch(
-        self,
-        ns_id: bytes,
-        keys: Sequence[bytes],
-        holder: str,
-        timeout_s: float | None = None,
-    ) -> FetchResult:
-        """Pull ``keys`` (a prefix run) from the store at gRPC address ``holder`` into this
-        store: one transfer batch, checksums verified, committed here. Peer failures are
-        ``FetchResult.status``, not exceptions; bad arguments raise KvtierError. Returns
-        within ``timeout_s`` (default ``remote.fetch_timeout_s``) plus one control call."""
-        raise KvtierError(ErrorCode.UNAVAILABLE, f"{type(self).__name__} has no remote tier")
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release client resources (the store keeps running unless embedded)."""
-
-    def __enter__(self) -> StoreClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -4,12 +4,9 @@ codec and the store itself share them)."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.core.chunks import ChunkLocation, LookupStatus
-from kvtier.core.errors import ErrorCode, KvtierError
-from kvtier.core.keys import KEY_BYTES
 
 
 class AllocStatus(enum.StrEnum):
@@ -49,12 +46,3 @@ class AllocateResult:
 class Snapshot:
     seq: int  # events up to and including seq are reflected; read on from seq + 1
     chunks: dict[bytes, list[bytes]]  # namespace id -> committed keys
-
-
-def check_keys(keys: Sequence[bytes]) -> None:
-    for key in keys:
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise KvtierError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"a chunk key is {KEY_BYTES} bytes, got {key!r:.40}",
-            )

@@ -1,4 +1,5 @@
-"""``StoreClient`` over gRPC, for processes that map the pool of a ``kvtier store serve``.
+"""Both surfaces of the store's API (``StoreClient``, ``StoreAdmin``) over gRPC, for processes
+that map the pool of a ``kvtier store serve`` and for those that administer or follow it.
 
 The client remembers the store epoch it attached to and sends it with every request; after a
 store restart every call fails with STALE_EPOCH until the caller re-attaches (``reattach``),
@@ -33,7 +34,7 @@ from kvtier.core.auth import Authenticator, Principal
 from kvtier.core.config.auth import Role
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace, pack_keys, unpack_keys
-from kvtier.store.api import StoreClient, StoreInfo
+from kvtier.store.api import StoreAdmin, StoreClient, StoreInfo
 from kvtier.store.api.events import EventBatch, EventGap
 from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
@@ -48,7 +49,7 @@ CLOSE_SESSION_TIMEOUT_S = 2.0  # close() does not wait longer for an unreachable
 T = TypeVar("T")
 
 
-class GrpcStoreClient(StoreClient):
+class GrpcStoreClient(StoreClient, StoreAdmin):
     def __init__(
         self,
         address: str,
@@ -135,7 +136,7 @@ class GrpcStoreClient(StoreClient):
             session_timeout_s=reply.session_timeout_s,
         )
 
-    # -- StoreClient -------------------------------------------------------------------------
+    # -- StoreClient: the engine's surface --------------------------------------------------
 
     def info(self) -> StoreInfo:
         """The incarnation this client is attached to (attaching now if it was not yet:
@@ -320,6 +321,28 @@ class GrpcStoreClient(StoreClient):
         request = pb.DeleteRequest(epoch=self.epoch, ns_id=ns_id, keys=pack_keys(keys))
         return self._call("Delete", request).deleted
 
+    def fetch(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        holder: str,
+        timeout_s: float | None = None,
+    ) -> FetchResult:
+        if timeout_s is not None and not timeout_s > 0:
+            raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"fetch timeout must be > 0: {timeout_s}")
+        request = pb.FetchRequest(
+            epoch=self.epoch,
+            ns_id=ns_id,
+            keys=pack_keys(keys),
+            holder=holder,
+            timeout_s=timeout_s or 0,
+        )
+        # The store bounds the fetch itself; this deadline only catches a store that hangs.
+        wait = (timeout_s or 30.0) + FETCH_REPLY_MARGIN_S
+        return wire.fetch_from_pb(self._call("Fetch", request, timeout=wait))
+
+    # -- StoreAdmin: operators, the index, peer stores -------------------------------------
+
     def clear(self) -> int:
         return self._call("Clear", pb.ClearRequest(epoch=self.epoch)).cleared
 
@@ -374,26 +397,6 @@ class GrpcStoreClient(StoreClient):
             epoch,
             reply.lease_ttl_s,
         )
-
-    def fetch(
-        self,
-        ns_id: bytes,
-        keys: Sequence[bytes],
-        holder: str,
-        timeout_s: float | None = None,
-    ) -> FetchResult:
-        if timeout_s is not None and not timeout_s > 0:
-            raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"fetch timeout must be > 0: {timeout_s}")
-        request = pb.FetchRequest(
-            epoch=self.epoch,
-            ns_id=ns_id,
-            keys=pack_keys(keys),
-            holder=holder,
-            timeout_s=timeout_s or 0,
-        )
-        # The store bounds the fetch itself; this deadline only catches a store that hangs.
-        wait = (timeout_s or 30.0) + FETCH_REPLY_MARGIN_S
-        return wire.fetch_from_pb(self._call("Fetch", request, timeout=wait))
 
     def close(self) -> None:
         """End the client's session (its leases with it) and close the channel. Idempotent."""

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvtier.core.chunks import Extent
+from kvtier.core.chunks import Extent, SegmentRef
 
 SHM_DIR = Path("/dev/shm")
 
@@ -172,6 +172,15 @@ class SharedSegment:
 
     def unlink(self) -> None:
         _unlink_quietly(_path(self.name))
+
+
+def map_segment(ref: SegmentRef) -> SharedSegment:
+    """Map the pool segment of one store incarnation (a worker copies through it). Raises
+    RuntimeError when it is gone (the store stopped or restarted)."""
+    try:
+        return SharedSegment.attach(ref.name, ref.size)
+    except SegmentError as exc:
+        raise RuntimeError(f"cannot map pool segment {ref.name}: {exc}") from exc
 
 
 def page_aligned_empty(nbytes: int) -> np.ndarray:

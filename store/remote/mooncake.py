@@ -16,6 +16,11 @@ engine's behaviour that shapes this module (measured in docs/remote.md and the t
   timeout), holding the engine's mutex. A peer is therefore probed (``send_probe``, which
   blocks only its own thread) before first contact and after any failure, under our deadline.
 - An out-of-range read is rejected but costs a reconnect; ranges are checked before submit.
+- Every start logs ``E… transfer_metadata.cpp:…] Local segment descriptor not found``, which is
+  not an error: the transport asks for its own segment descriptor (to extend one another
+  transport made) before creating it, and in P2P-handshake mode that lookup logs when there is
+  none. While the engine initialises, stderr passes through a filter that drops that line and
+  glog's "Logging before InitGoogleLogging()" notice, and nothing else (``_stderr_without``).
 
 The package is imported lazily, so a store without the remote tier never needs it.
 """
@@ -26,9 +31,12 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -96,6 +104,54 @@ def _fine_timer_slack() -> None:
         ctypes.CDLL(None).prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0)  # 1 µs
 
 
+# What the engine writes to stderr on every start that is not trouble (see the module's notes).
+# Dropped only while it initialises: the same descriptor message later (a peer handshaking
+# before our segment exists) is a real error and passes.
+BENIGN_START_LINES = (
+    "] Local segment descriptor not found",
+    "WARNING: Logging before InitGoogleLogging() is written to STDERR",
+)
+
+
+@contextlib.contextmanager
+def _stderr_without(lines: Sequence[str]) -> Iterator[None]:
+    """File descriptor 2 through ``grep -v`` for the duration: lines containing any of ``lines``
+    are dropped, every other line (the engine's real errors, other threads' output) passes in
+    order as it is written. A separate process, so what was written before a crash still comes
+    out, and a chatty engine never blocks on a full pipe. Without grep or a stderr, a no-op."""
+    grep = shutil.which("grep")
+    try:
+        saved = os.dup(2) if grep else -1
+    except OSError:
+        saved = -1
+    if saved < 0:
+        yield
+        return
+    argv = [str(grep), "-v", "-F", "--line-buffered"]
+    for line in lines:
+        argv += ["-e", line]
+    try:
+        filt = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=saved, stderr=saved)
+    except OSError:
+        os.close(saved)
+        yield
+        return
+    assert filt.stdin is not None
+    sys.stderr.flush()
+    os.dup2(filt.stdin.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        filt.stdin.close()
+        # Out before anything this process writes next; a child started meanwhile may hold the
+        # pipe open: then the filter serves it until it exits.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            filt.wait(5)
+
+
 def _import_engine() -> Any:
     try:
         from mooncake.engine import TransferEngine
@@ -120,9 +176,10 @@ class MooncakeTransport(Transport):
             self._engine = engine_cls()
             p2p = config.metadata == "P2PHANDSHAKE"
             local = config.hostname if p2p else (segment_name or f"{config.hostname}:{os.getpid()}")
-            rc = self._engine.initialize(
-                local, config.metadata, config.protocol, config.device_name
-            )
+            with _stderr_without(BENIGN_START_LINES):
+                rc = self._engine.initialize(
+                    local, config.metadata, config.protocol, config.device_name
+                )
         if rc != 0:
             raise KvtierError(
                 ErrorCode.UNAVAILABLE,

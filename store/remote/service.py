@@ -1,8 +1,9 @@
 """The remote tier of one node store: its transfer engine, peer clients, fetcher and demoter.
 
-``NodeStore`` builds one when ``store.remote.enabled`` and delegates ``lease_for_peer``,
-``fetch`` and the remote stats to it. Shutdown order matters: the demoter first (it calls
-peers), then the pool's registration (so no peer reads memory about to be unmapped).
+``NodeStore`` builds one when ``store.remote.enabled``; a fetch and a peer's lease go to its
+``fetcher`` (``kvtier.store.remote.fetch``), the remote stats come from here. Shutdown order
+matters: the demoter first (it calls peers), then the pool's registration (so no peer reads
+memory about to be unmapped).
 
 Threading: thread-safe.
 """
@@ -10,13 +11,10 @@ Threading: thread-safe.
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
 
 from kvtier.core.auth import Authenticator
 from kvtier.core.config.store import RemoteConfig
 from kvtier.core.rpc import ClientAuth
-from kvtier.store.api.remote import FetchResult
-from kvtier.store.api.types import LookupResult
 from kvtier.store.client.shm import SharedSegment
 from kvtier.store.remote.demotion import Demoter
 from kvtier.store.remote.directory import IndexPeers, PeerDirectory
@@ -80,16 +78,6 @@ class RemoteTier:
         if self.config.demotion.policy == "peers" and self.demoter is None:
             self.demoter = Demoter(self.core, self.config, self.peers, self_address)
             self.demoter.start()
-
-    def lease_for_peer(
-        self, ns_id: bytes, keys: Sequence[bytes], lease_ttl_s: float | None, session: int = 0
-    ) -> LookupResult:
-        return self.fetcher.lease_for_peer(ns_id, keys, lease_ttl_s, session)
-
-    def fetch(
-        self, ns_id: bytes, keys: Sequence[bytes], holder: str, timeout_s: float | None
-    ) -> FetchResult:
-        return self.fetcher.fetch(ns_id, keys, holder, timeout_s)
 
     def stats(self) -> dict[str, int]:
         out = self.fetcher.stats()

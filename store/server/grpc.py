@@ -1,17 +1,22 @@
 """gRPC front of a node store (``store.proto``).
 
-Each RPC decodes its request, calls the wrapped ``StoreClient`` (a ``NodeStore``, usually inside
-a ``MeteredStore``), and encodes the reply. Errors leave as a gRPC status with the kvtier code in
-trailing metadata; a request from a client attached to a previous store epoch is refused.
+Each RPC decodes its request, calls the served store's part that answers it (the state
+machine, ``NodeStore.core``, for namespaces, leases, sessions and chunks; the remote tier's
+fetcher for a fetch and a peer's lease; the ``NodeStore`` for its info, stats and events),
+times it (``StoreMetrics``), and encodes the reply. Errors leave as a gRPC status with the
+kvtier code in trailing metadata; a request from a client attached to a previous store epoch
+is refused.
 
 Threading: gRPC runs handlers on its thread pool; the wrapped store is thread-safe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +26,14 @@ from kvtier.core import rpc
 from kvtier.core.auth import NONCE_BYTES, Permission, prove
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import MAX_NAMESPACE_JSON_BYTES, Namespace, unpack_keys
-from kvtier.store.api import StoreClient
 from kvtier.store.api.events import EventGap
 from kvtier.store.client import wire
+from kvtier.store.node import NodeStore, remote_tier_off
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
-from kvtier.store.state.corestate import unknown_namespace
+from kvtier.store.remote.fetch import Fetcher
+from kvtier.store.server.metrics import StoreMetrics
+from kvtier.store.state.namespaces import unknown_namespace
 
 log = logging.getLogger(__name__)
 
@@ -85,17 +92,6 @@ class TenantGate:
             raise unknown_namespace(ns_id)  # the store's own words for one never registered
 
 
-def _tenant_reader(store: StoreClient) -> Callable[[bytes], str | None]:
-    """How the gate reads a namespace's tenant: from the store's table (a ``NodeStore``,
-    under a ``MeteredStore``)."""
-    inner: Any = getattr(store, "inner", store)
-    core = getattr(inner, "core", None)
-    if core is None:
-        raise TypeError(f"{type(store).__name__} has no store core to read namespaces from")
-    reader: Callable[[bytes], str | None] = core.namespace_salt
-    return reader
-
-
 def require_session(session: int, what: str) -> None:
     """A lease taken over gRPC belongs to a session: the store bounds what each session
     holds (``store.max_leases_per_session``), and a lease without one would escape that."""
@@ -109,17 +105,38 @@ def require_session(session: int, what: str) -> None:
 class StoreServicer(store_pb2_grpc.StoreServicer):
     def __init__(
         self,
-        store: StoreClient,
+        node: NodeStore,
         own_token: str | None = None,
         tenant_of: Callable[[bytes], str | None] | None = None,
+        metrics: StoreMetrics | None = None,
     ) -> None:
         """``own_token``: this store's credential, proved (never sent) to ``Prove`` callers.
-        ``tenant_of``: a registered namespace's salt digest (default: read from ``store``'s
-        core)."""
-        self.store = store
+        ``tenant_of``: a registered namespace's salt digest (default: the store's namespace
+        table). ``metrics``: where each operation's latency goes (None: not timed)."""
+        self.node = node
+        self.core = node.core
+        self.fetcher: Fetcher | None = node.remote.fetcher if node.remote is not None else None
+        self.metrics = metrics
         self._own_token = own_token
-        self.epoch = store.info().epoch
-        self.tenants = TenantGate(tenant_of or _tenant_reader(store))
+        info = node.info()
+        self.epoch = info.epoch
+        self._session_timeout_s = info.session_timeout_s
+        self.tenants = TenantGate(tenant_of or node.core.namespaces.salt_of)
+
+    @contextlib.contextmanager
+    def _timed(self, op: str) -> Iterator[None]:
+        """Time the store's own work for ``op`` (not the request's decoding or the reply's)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.metrics is not None:
+                self.metrics.latency.labels(op).observe(time.perf_counter() - start)
+
+    def _remote(self) -> Fetcher:
+        if self.fetcher is None:
+            raise remote_tier_off(self.node.config.node_id)
+        return self.fetcher
 
     def check(self, request: Any) -> None:
         """Refuse a client attached to a previous incarnation: its offsets mean nothing here."""
@@ -132,7 +149,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
 
     @rpc.handler
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
-        info = self.store.info()
+        info = self.node.info()
         return pb.InfoReply(
             node_id=info.node_id,
             epoch=info.epoch,
@@ -171,7 +188,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         except ValueError as exc:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"bad namespace: {exc}") from exc
         self.tenants.register(namespace)  # refused before it exists
-        ns_id = self.store.register_namespace(namespace, request.chunk_bytes)
+        with self._timed("register_namespace"):
+            ns_id = self.core.register_namespace(namespace, request.chunk_bytes)
         return pb.RegisterNamespaceReply(ns_id=ns_id)
 
     @rpc.handler
@@ -180,9 +198,9 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         ttl = request.lease_ttl_s if request.lease_ttl_s > 0 else None
         if ttl is not None:
             require_session(request.session, "a leased lookup")
-        result = self.store.lookup(
-            request.ns_id, unpack_keys(request.keys), ttl, session=request.session
-        )
+        keys = unpack_keys(request.keys)
+        with self._timed("lookup"):
+            result = self.core.lookup(request.ns_id, keys, ttl, session=request.session)
         return pb.LookupReply(
             hits=wire.locations_to_pb(result.hits),
             stop=wire.LOOKUP_STATUS[result.stop],
@@ -197,13 +215,9 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self.tenants.check(request.ns_id)
         require_session(request.session, "allocate")
         ttl = request.ttl_s if request.ttl_s > 0 else None
-        result = self.store.allocate(
-            request.ns_id,
-            unpack_keys(request.keys),
-            list(request.sizes),
-            ttl,
-            session=request.session,
-        )
+        keys, sizes = unpack_keys(request.keys), list(request.sizes)
+        with self._timed("allocate"):
+            result = self.core.allocate(request.ns_id, keys, sizes, ttl, session=request.session)
         reply = pb.AllocateReply(
             lease_id=result.lease_id,
             lease_ttl_s=result.lease_ttl_s,
@@ -215,17 +229,21 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     @rpc.handler
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
         keys = unpack_keys(request.keys) if request.keys else None
-        committed = self.store.commit(request.lease_id, keys, list(request.checksums))
+        with self._timed("commit"):
+            committed = self.core.commit(request.lease_id, keys, list(request.checksums))
         return pb.CommitReply(committed=committed)
 
     @rpc.handler
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
         keys = unpack_keys(request.keys) if request.keys else None
-        return pb.AbortReply(aborted=self.store.abort(request.lease_id, keys))
+        with self._timed("abort"):
+            aborted = self.core.abort(request.lease_id, keys)
+        return pb.AbortReply(aborted=aborted)
 
     @rpc.handler
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
-        statuses = self.store.release(list(request.lease_ids))
+        with self._timed("release"):
+            statuses = self.core.release(list(request.lease_ids))
         reply = pb.ReleaseReply()
         reply.statuses.extend(wire.LEASE_STATUS[s] for s in statuses)
         return reply
@@ -233,50 +251,62 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     @rpc.handler
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
         ttl = request.ttl_s if request.ttl_s > 0 else None
-        return pb.RenewReply(ttl_s=self.store.renew(request.lease_id, ttl))
+        with self._timed("renew"):
+            granted = self.core.renew(request.lease_id, ttl)
+        return pb.RenewReply(ttl_s=granted)
 
     @rpc.handler
     def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
     ) -> pb.OpenSessionReply:
-        session = self.store.open_session()
-        return pb.OpenSessionReply(session=session, timeout_s=self.store.info().session_timeout_s)
+        with self._timed("open_session"):
+            session = self.core.open_session()
+        return pb.OpenSessionReply(session=session, timeout_s=self._session_timeout_s)
 
     @rpc.handler
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatReply:
-        return pb.HeartbeatReply(alive=self.store.heartbeat(request.session))
+        with self._timed("heartbeat"):
+            alive = self.core.heartbeat(request.session)
+        return pb.HeartbeatReply(alive=alive)
 
     @rpc.handler
     def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
     ) -> pb.CloseSessionReply:
-        return pb.CloseSessionReply(released=self.store.close_session(request.session))
+        with self._timed("close_session"):
+            released = self.core.close_session(request.session)
+        return pb.CloseSessionReply(released=released)
 
     @rpc.handler
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:
         self.tenants.check(request.ns_id)
-        return pb.DeleteReply(deleted=self.store.delete(request.ns_id, unpack_keys(request.keys)))
+        keys = unpack_keys(request.keys)
+        with self._timed("delete"):
+            deleted = self.core.delete(request.ns_id, keys)
+        return pb.DeleteReply(deleted=deleted)
 
     @rpc.handler
     def Clear(self, request: pb.ClearRequest, context: grpc.ServicerContext) -> pb.ClearReply:
-        return pb.ClearReply(cleared=self.store.clear())
+        with self._timed("clear"):
+            cleared = self.core.clear()
+        return pb.ClearReply(cleared=cleared)
 
     @rpc.handler
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
-        return pb.StatsReply(stats_json=json.dumps(self.store.stats()))
+        return pb.StatsReply(stats_json=json.dumps(self.node.stats()))
 
     @rpc.handler
     def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotReply:
-        snap = self.store.snapshot()
-        info = self.store.info()
+        with self._timed("snapshot"):
+            snap = self.core.snapshot()
         return pb.SnapshotReply(
             seq=snap.seq,
-            node_id=info.node_id,
-            epoch=info.epoch,
+            node_id=self.core.node_id,
+            epoch=self.core.epoch,
             chunks=[
                 pb.NamespaceChunks(ns_id=ns, keys=b"".join(keys))
                 for ns, keys in snap.chunks.items()
@@ -288,7 +318,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: pb.ReadEventsRequest, context: grpc.ServicerContext
     ) -> pb.ReadEventsReply:
         timeout = min(max(request.timeout_s, 0.0), 30.0)
-        got = self.store.read_events(
+        got = self.node.read_events(
             max(1, request.from_seq), request.max_batches or 256, timeout or None
         )
         if isinstance(got, EventGap):
@@ -301,9 +331,11 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     ) -> pb.LookupReply:
         require_session(request.session, "LeaseForPeer")
         ttl = request.lease_ttl_s if request.lease_ttl_s > 0 else None
-        result = self.store.lease_for_peer(
-            request.ns_id, unpack_keys(request.keys), ttl, session=request.session
-        )
+        keys = unpack_keys(request.keys)
+        self.core.limits.check_batch(len(keys))
+        with self._timed("lease_for_peer"):
+            # Under the peer's session: it ends with it, and counts against its bounds.
+            result = self._remote().lease_for_peer(request.ns_id, keys, ttl, request.session)
         return pb.LookupReply(
             hits=wire.locations_to_pb(result.hits),
             stop=wire.LOOKUP_STATUS[result.stop],
@@ -315,12 +347,19 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchReply:
         self.tenants.check(request.ns_id)
         timeout = request.timeout_s if request.timeout_s > 0 else None
-        result = self.store.fetch(request.ns_id, unpack_keys(request.keys), request.holder, timeout)
+        keys = unpack_keys(request.keys)
+        self.core.limits.check_batch(len(keys))
+        start = time.perf_counter()
+        result = self._remote().fetch(request.ns_id, keys, request.holder, timeout)
+        if self.metrics is not None:
+            self.metrics.fetch_latency.observe(time.perf_counter() - start)
+            self.metrics.fetches.labels(result.status.value).inc()
+            self.metrics.fetch_bytes.inc(result.bytes)
         return wire.fetch_to_pb(result)
 
 
 def start_grpc_server(
-    store: StoreClient,
+    node: NodeStore,
     host: str,
     port: int,
     workers: int = 16,
@@ -328,12 +367,14 @@ def start_grpc_server(
     unix_socket: Path | None = None,
     max_message_bytes: int = rpc.MESSAGE_LIMIT,
     tenant_of: Callable[[bytes], str | None] | None = None,
+    metrics: StoreMetrics | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Serve ``store`` on host:port (port 0 picks a free one) and ``unix_socket``. Returns
+    """Serve ``node`` on host:port (port 0 picks a free one) and ``unix_socket``. Returns
     (server, bound port). ``security``: who may call what (``STORE_PERMISSIONS``).
-    ``tenant_of``: a registered namespace's salt digest (``TenantGate``)."""
+    ``tenant_of``: a registered namespace's salt digest (``TenantGate``); ``metrics``: where
+    the calls are timed."""
     own_token = security.own_token if security is not None else None
-    servicer = StoreServicer(store, own_token, tenant_of)
+    servicer = StoreServicer(node, own_token, tenant_of, metrics)
     return rpc.start_server(
         [(store_pb2_grpc.add_StoreServicer_to_server, servicer)],
         host,

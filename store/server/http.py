@@ -18,11 +18,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvtier import __version__
 from kvtier.core.auth import Permission
 from kvtier.core.http import HttpGuard
-from kvtier.store.api import StoreClient
+from kvtier.store.api import StoreAdmin
 
 
 def build_app(
-    store: StoreClient,
+    store: StoreAdmin,
     registry: CollectorRegistry,
     ready: Callable[[], bool],
     guard: HttpGuard,

@@ -1,7 +1,7 @@
 """Prometheus metrics for a store, kept out of the store's logic.
 
-- ``MeteredStore`` wraps any ``StoreClient`` and times every operation (a histogram per op);
-  remote fetches also get their own latency histogram and counters by outcome and bytes.
+- ``StoreMetrics``: what the gRPC front times per call (a histogram per operation); remote
+  fetches also get their own latency histogram and counters by outcome and bytes.
 - ``StoreCollector`` turns the store's own ``stats()`` into gauges and counters at scrape time
   (capacity, bytes used/pinned/being written, chunks, leases, hits and misses by tier,
   evictions, expired leases), so the hot path pays nothing for them.
@@ -11,19 +11,15 @@ Each service builds its own ``CollectorRegistry``: no process-global metric stat
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvtier.core.keys import Namespace
-from kvtier.store.api import StoreClient, StoreInfo
-from kvtier.store.api.events import EventBatch, EventGap
-from kvtier.store.api.remote import FetchResult, FetchStatus
-from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
+from kvtier.store.api import StoreAdmin
+from kvtier.store.api.remote import FetchStatus
 
 # Seconds; control-plane ops run from tens of microseconds to a few milliseconds.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
@@ -31,138 +27,35 @@ LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0
 FETCH_BUCKETS = (5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
-class MeteredStore(StoreClient):
-    def __init__(self, inner: StoreClient, registry: CollectorRegistry) -> None:
-        self.inner = inner
-        self._latency = Histogram(
+class StoreMetrics:
+    """What the gRPC front observes per call (``kvtier.store.server.grpc``): the latency of each
+    control operation, and per fetch its latency, outcome and bytes."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.latency = Histogram(
             "kvtier_store_op_seconds",
             "Latency of store control operations, by operation",
             ["op"],
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        self._fetch_latency = Histogram(
+        self.fetch_latency = Histogram(
             "kvtier_store_fetch_seconds",
             "Latency of remote fetches (lease at the holder, transfer, verify, commit)",
             buckets=FETCH_BUCKETS,
             registry=registry,
         )
-        self._fetches = Counter(
+        self.fetches = Counter(
             "kvtier_store_fetches",
             "Remote fetches by outcome (ok, or why the local prefix fell short)",
             ["status"],
             registry=registry,
         )
-        self._fetch_bytes = Counter(
+        self.fetch_bytes = Counter(
             "kvtier_store_fetch_bytes", "Bytes pulled from peer stores", registry=registry
         )
         for status in FetchStatus:
-            self._fetches.labels(status.value)
-
-    def _timed(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self._latency.labels(op).observe(time.perf_counter() - start)
-
-    def info(self) -> StoreInfo:
-        return self.inner.info()
-
-    def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
-        return self._timed(
-            "register_namespace", self.inner.register_namespace, namespace, chunk_bytes
-        )
-
-    def lookup(
-        self,
-        ns_id: bytes,
-        keys: Sequence[bytes],
-        lease_ttl_s: float | None = None,
-        *,
-        session: int = 0,
-    ) -> LookupResult:
-        return self._timed(
-            "lookup", lambda: self.inner.lookup(ns_id, keys, lease_ttl_s, session=session)
-        )
-
-    def allocate(
-        self,
-        ns_id: bytes,
-        keys: Sequence[bytes],
-        sizes: Sequence[int],
-        ttl_s: float | None = None,
-        *,
-        session: int = 0,
-    ) -> AllocateResult:
-        return self._timed(
-            "allocate", lambda: self.inner.allocate(ns_id, keys, sizes, ttl_s, session=session)
-        )
-
-    def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
-        return self._timed("commit", self.inner.commit, lease_id, keys, checksums)
-
-    def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int:
-        return self._timed("abort", self.inner.abort, lease_id, keys)
-
-    def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
-        return self._timed("release", self.inner.release, lease_ids)
-
-    def renew(self, lease_id: int, ttl_s: float | None = None) -> float:
-        return self._timed("renew", self.inner.renew, lease_id, ttl_s)
-
-    def open_session(self) -> int:
-        return self._timed("open_session", self.inner.open_session)
-
-    def heartbeat(self, session: int) -> bool:
-        return self._timed("heartbeat", self.inner.heartbeat, session)
-
-    def close_session(self, session: int) -> int:
-        return self._timed("close_session", self.inner.close_session, session)
-
-    def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
-        return self._timed("delete", self.inner.delete, ns_id, keys)
-
-    def clear(self) -> int:
-        return self._timed("clear", self.inner.clear)
-
-    def stats(self) -> dict[str, int | float | str]:
-        return self.inner.stats()
-
-    def snapshot(self) -> Snapshot:
-        return self._timed("snapshot", self.inner.snapshot)
-
-    def read_events(
-        self, from_seq: int, max_batches: int = 256, timeout: float | None = None
-    ) -> list[EventBatch] | EventGap:
-        return self.inner.read_events(from_seq, max_batches, timeout)
-
-    def lease_for_peer(
-        self,
-        ns_id: bytes,
-        keys: Sequence[bytes],
-        lease_ttl_s: float | None = None,
-        timeout_s: float | None = None,
-        *,
-        session: int = 0,
-    ) -> LookupResult:
-        return self._timed(
-            "lease_for_peer",
-            lambda: self.inner.lease_for_peer(ns_id, keys, lease_ttl_s, timeout_s, session=session),
-        )
-
-    def fetch(
-        self, ns_id: bytes, keys: Sequence[bytes], holder: str, timeout_s: float | None = None
-    ) -> FetchResult:
-        start = time.perf_counter()
-        result = self.inner.fetch(ns_id, keys, holder, timeout_s)
-        self._fetch_latency.observe(time.perf_counter() - start)
-        self._fetches.labels(result.status.value).inc()
-        self._fetch_bytes.inc(result.bytes)
-        return result
-
-    def close(self) -> None:
-        self.inner.close()
+            self.fetches.labels(status.value)
 
 
 _GAUGES = {
@@ -264,7 +157,8 @@ class StoreCollector(Collector):
         yield failures
 
 
-def build_registry(store: StoreClient) -> tuple[MeteredStore, CollectorRegistry]:
+def build_registry(store: StoreAdmin) -> tuple[StoreMetrics, CollectorRegistry]:
+    """A registry of its own: ``store``'s stats at scrape time, and the per-call metrics."""
     registry = CollectorRegistry()
     registry.register(StoreCollector(store.stats))
-    return MeteredStore(store, registry), registry
+    return StoreMetrics(registry), registry

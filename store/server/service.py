@@ -71,21 +71,21 @@ class StoreService:
             index_address=index_address,
         )
         try:
-            metered, registry = build_registry(node)
+            metrics, registry = build_registry(node)
             server, grpc_port = start_grpc_server(
-                metered,
+                node,
                 config.grpc_host,
                 config.grpc_port,
                 config.grpc_workers,
                 security=security,
                 unix_socket=config.unix_socket,
                 max_message_bytes=int(config.max_message_bytes),
-                tenant_of=node.core.namespace_salt,
+                metrics=metrics,
             )
             ready = threading.Event()
             http = HttpServer(
                 build_app(
-                    metered,
+                    node,
                     registry,
                     lambda: ready.is_set() and not node.closed,
                     HttpGuard(authenticator),

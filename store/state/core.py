@@ -10,10 +10,8 @@ COMMITTED (readable). Rules enforced here:
 - Pinned (read-leased) and WRITING chunks are never evicted; a deleted chunk that is still
   pinned is unlinked at once (no new reader finds it) and its pages freed at the last unpin.
 - Duplicate allocations of a stored key are idempotent: EXISTS, no second copy.
-- A key held under another namespace answers as absent (``_held_by``): a lookup misses there,
-  a delete skips it, an allocate answers NO_SPACE for it. Namespace ids are no secret, so
-  anyone can compute another namespace's keys; an error naming the owner would tell whether
-  someone else holds a prompt.
+- A key held under another namespace answers as absent (``PageBook.held`` says why): a lookup
+  misses there, a delete skips it, an allocate answers NO_SPACE for it.
 - Every lease expires, so a client that dies leaks nothing; a lease taken under a client
   session also ends with it (``kvtier.store.state.sessions``): a killed client's pins go within
   ``session_timeout_s``. No lease lives past ``max_lease_lifetime_s``, renewals included.
@@ -24,86 +22,119 @@ COMMITTED (readable). Rules enforced here:
 - Pages a failed remote transfer was writing are quarantined (``abort(..., quarantine_s=)``):
   out of the table at once, but not handed out again until the quarantine ends, because the
   transfer engine may still deliver late bytes into them.
-- Namespaces are bounded (``max_namespaces``) but not forever: one that holds no chunk (none
-  committed, being written or pinned) and that nobody registered, looked up, allocated into
-  or deleted from for ``namespace_idle_s`` is retired, by the periodic ``reap`` and, least
-  recently used first, by a registration that would exceed the bound. Its id then answers
-  UNKNOWN_NAMESPACE, as after a restart, and its clients register it again. A namespace with
-  chunks is never retired. A cache reset (``on_reset: bump``) starts a new generation of an
-  instance's namespaces; the old generation goes this way once its chunks are evicted.
+- Namespaces are bounded (``max_namespaces``) but not forever: one that holds no chunk and
+  that nobody used for ``namespace_idle_s`` is retired (``kvtier.store.state.namespaces``). A
+  cache reset (``on_reset: bump``) starts a new generation of an instance's namespaces; the
+  old generation goes this way once its chunks are evicted.
+
+``StoreCore`` is composed of the components that hold its state, each with its own rules, and
+every operation reads as calls on them: ``pages`` (``PageBook``: the chunk table, the page
+allocator, eviction, page counts), ``tenants`` (quotas and floors), ``namespaces``, ``leases``
+(``LeaseTable``: TTLs, lifetimes, what ending one undoes), ``sessions``, ``checksums`` (chunks
+committed without one), ``events`` (the event log), ``limits`` (per-request bounds) and the
+``counters``. What must always hold across them is ``check_invariants``.
 
 Threading: every public method takes the store's lock; call from any thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from kvtier.core.chunks import ChunkLocation, LookupStatus
 from kvtier.core.errors import ErrorCode, KvtierError
-from kvtier.core.keys import Namespace
+from kvtier.core.keys import Namespace, check_keys
 from kvtier.store.api.events import EventKind, StoreEvent
-from kvtier.store.api.types import (
-    AllocateResult,
-    AllocStatus,
-    LeaseStatus,
-    LookupResult,
-    Snapshot,
-    check_keys,
-)
-from kvtier.store.state.corestate import StoreState
-from kvtier.store.state.entries import ChunkEntry, ChunkState, NamespaceInfo
-from kvtier.store.state.leases import LeaseKind
+from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
+from kvtier.store.state.checksums import ChecksumQueue
+from kvtier.store.state.entries import COUNTERS, ChunkEntry, ChunkState, NamespaceInfo
+from kvtier.store.state.eventlog import EventLog
+from kvtier.store.state.leases import LeaseKind, LeaseTable
+from kvtier.store.state.limits import StoreLimits
+from kvtier.store.state.namespaces import NamespaceTable
+from kvtier.store.state.pages import PageBook
+from kvtier.store.state.quotas import TenantBook
+from kvtier.store.state.sessions import SessionTable
 
 
-class StoreCore(StoreState):
+class StoreCore:
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        epoch: int,
+        capacity_bytes: int,
+        page_size: int,
+        eviction: str = "s3fifo",
+        lease_ttl_s: float = 30.0,
+        write_ttl_s: float = 60.0,
+        max_lease_ttl_s: float = 600.0,
+        event_buffer: int = 65536,
+        clock: Callable[[], float] = time.monotonic,
+        limits: StoreLimits | None = None,
+    ) -> None:
+        """``limits``: the request, session and tenant bounds (``StoreLimits()``: no batch
+        share cap and no quotas, the state machine's plain semantics)."""
+        self.node_id = node_id
+        self.epoch = epoch
+        self.page_size = page_size
+        num_pages = capacity_bytes // page_size
+        self.capacity_bytes = num_pages * page_size
+        self.lease_ttl_s = lease_ttl_s
+        self.write_ttl_s = write_ttl_s
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.limits = limits = limits or StoreLimits()
+        self.tenants = TenantBook(page_size, num_pages, limits.tenants, limits.default_quota_bytes)
+        self.pages = PageBook(num_pages, page_size, eviction, self.counters, self.tenants)
+        self.namespaces = NamespaceTable(limits, self.pages, self.tenants, self.counters)
+        self.leases = LeaseTable(
+            self.pages,
+            limits,
+            self.counters,
+            clock,
+            read_ttl_s=lease_ttl_s,
+            write_ttl_s=write_ttl_s,
+            max_ttl_s=max_lease_ttl_s,
+        )
+        self.sessions = SessionTable(limits.session_timeout_s, limits.max_sessions)
+        self.checksums = ChecksumQueue(self.pages)
+        self.events = EventLog(node_id=node_id, epoch=epoch, capacity=event_buffer)
+
     # -- namespaces --------------------------------------------------------------------------
 
     def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:
         """Declare a namespace and the size of its chunks; returns its id (the root key).
         Re-registering a known namespace always works; past ``max_namespaces`` a new one
-        first retires the least recently used namespace that is empty and idle (see the
-        module's docstring), and is refused (LIMIT_EXCEEDED) if none is: each costs the store
-        memory and a tenant entry."""
+        first retires the least recently used namespace that is empty and idle, and is
+        refused (LIMIT_EXCEEDED) if none is: each costs the store memory and a tenant entry."""
         if chunk_bytes <= 0:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "chunk_bytes must be positive")
         ns_id = namespace.root_key()
         with self._lock:
-            known = self._namespaces.get(ns_id)
-            if known is not None and known.chunk_bytes != chunk_bytes:
-                raise KvtierError(
-                    ErrorCode.NAMESPACE_MISMATCH,
-                    f"namespace {ns_id.hex()} is registered with {known.chunk_bytes}-byte "
-                    f"chunks, not {chunk_bytes}",
-                )
+            known = self.namespaces.known(ns_id, chunk_bytes)
             if chunk_bytes > self.capacity_bytes:
                 raise KvtierError(
                     ErrorCode.WRONG_SIZE,
                     f"a {chunk_bytes}-byte chunk cannot fit a {self.capacity_bytes}-byte pool",
                 )
             now = self._clock()
-            if known is None and len(self._namespaces) >= self.limits.max_namespaces:
-                self._reap(now)  # expired write leases hold chunks of no namespace any more
-                need = len(self._namespaces) - self.limits.max_namespaces + 1
-                if self._retire_idle_namespaces(now, need) < need:
-                    raise KvtierError(
-                        ErrorCode.LIMIT_EXCEEDED,
-                        f"{len(self._namespaces)} namespaces registered, none both empty and "
-                        f"unused for {self.limits.namespace_idle_s} s: store.max_namespaces = "
-                        f"{self.limits.max_namespaces}",
-                    )
             if known is None:
-                tenant = self._tenants.tenant(namespace.cache_salt)
-                tenant.namespaces += 1
-                self._namespaces[ns_id] = NamespaceInfo(ns_id, chunk_bytes, namespace, tenant)
-            self._use_namespace(ns_id, now)
+                if self.namespaces.full:
+                    self._reap(now)  # expired write leases hold chunks of no namespace any more
+                    self.namespaces.make_room(now)
+                self.namespaces.add(namespace, chunk_bytes)
+            self.namespaces.use(ns_id, now)
         return ns_id
 
     def namespace(self, ns_id: bytes) -> NamespaceInfo:
         """What ``ns_id`` was registered with (UNKNOWN_NAMESPACE: never, or retired). A read
         only: not counted as a use."""
-        return self._registered(ns_id)
+        return self.namespaces.get(ns_id)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -122,15 +153,15 @@ class StoreCore(StoreState):
         check_keys(keys)
         with self._lock:
             now = self._clock()
-            self._use_namespace(ns_id, now)
+            self.namespaces.use(ns_id, now)
             self._reap(now)
             if lease_ttl_s is not None:
-                self._check_session(session)
+                self.sessions.check(session)
             hits: list[ChunkEntry] = []
             stop = LookupStatus.HIT
             for key in keys:
-                entry = self._table.get(key)
-                if not self._held_by(entry, ns_id):  # absent, or another namespace's
+                entry = self.pages.held(key, ns_id)
+                if entry is None:  # absent, or another namespace's
                     stop = LookupStatus.MISS
                     break
                 if entry.state is not ChunkState.COMMITTED:
@@ -139,21 +170,21 @@ class StoreCore(StoreState):
                 hits.append(entry)
             lease_id, granted = 0, 0.0
             if lease_ttl_s is not None and hits:
-                ttl = self._ttl(lease_ttl_s)
-                self._check_lease_room(session, len(hits))  # before anything changes
+                ttl = self.leases.ttl(lease_ttl_s)
+                self.leases.check_room(session, len(hits))  # before anything changes
             for entry in hits:
                 entry.last_access = now
-                self._book.policy.touch(entry.key)
+                self.pages.policy.touch(entry.key)
             if lease_ttl_s is not None and hits:
                 for entry in hits:
-                    self._book.pin(entry)
-                lease_id = self._new_lease(LeaseKind.READ, hits, now, ttl, session)
-                granted = min(ttl, self.limits.max_lease_lifetime_s)
+                    self.pages.pin(entry)
+                lease_id = self.leases.grant(LeaseKind.READ, hits, now, ttl, session).id
+                granted = self.leases.granted(ttl)
             self.counters["lookups"] += 1
             self.counters["hit_chunks"] += len(hits)
             self.counters["miss_chunks"] += len(keys) - len(hits)
             self.counters["pending_lookups"] += stop is LookupStatus.PENDING
-            locations = [self._book.location(e) for e in hits]
+            locations = [self.pages.location(e) for e in hits]
             return LookupResult(locations, stop, lease_id, self.epoch, granted)
 
     def committed_mask(self, ns_id: bytes, keys: Sequence[bytes]) -> list[bool]:
@@ -162,11 +193,11 @@ class StoreCore(StoreState):
         self.limits.check_batch(len(keys))
         check_keys(keys)
         with self._lock:
-            self._use_namespace(ns_id, self._clock())
+            self.namespaces.use(ns_id, self._clock())
             out = []
             for key in keys:
-                entry = self._table.get(key)
-                out.append(self._held_by(entry, ns_id) and entry.state is ChunkState.COMMITTED)
+                entry = self.pages.held(key, ns_id)
+                out.append(entry is not None and entry.state is ChunkState.COMMITTED)
             return out
 
     def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
@@ -174,18 +205,9 @@ class StoreCore(StoreState):
         EXPIRED means they may have (also when its session ended): the holder must discard
         what it copied."""
         self.limits.check_batch(len(lease_ids), "lease ids")
-        out = []
         with self._lock:
             self._reap(self._clock())
-            for lease_id in lease_ids:
-                lease = self._leases.pop(lease_id)
-                if lease is None:
-                    expired = self._leases.was_expired(lease_id)
-                    out.append(LeaseStatus.EXPIRED if expired else LeaseStatus.UNKNOWN)
-                    continue
-                self._end_lease(lease, "released")
-                out.append(LeaseStatus.OK)
-        return out
+            return self.leases.release(lease_ids)
 
     def renew(self, lease_id: int, ttl_s: float | None = None) -> float:
         """Extend a lease; returns seconds until its new expiry: the TTL asked for, shortened
@@ -194,10 +216,7 @@ class StoreCore(StoreState):
         with self._lock:
             now = self._clock()
             self._reap(now)
-            lease = self._get_lease(lease_id)
-            ttl = self._ttl(ttl_s if ttl_s is not None else self._default_ttl(lease.kind))
-            self._leases.renew(lease, now + ttl)
-            return lease.expires - now
+            return self.leases.extend(lease_id, ttl_s, now)
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -207,7 +226,7 @@ class StoreCore(StoreState):
         with self._lock:
             now = self._clock()
             self._reap(now)
-            session = self._sessions.open(now)
+            session = self.sessions.open(now)
             self.counters["sessions_opened"] += 1
             return session
 
@@ -217,17 +236,17 @@ class StoreCore(StoreState):
         with self._lock:
             now = self._clock()
             self._reap(now)
-            return self._sessions.touch(session, now)
+            return self.sessions.touch(session, now)
 
     def close_session(self, session: int) -> int:
         """End ``session`` and its leases (read leases unpinned, write leases aborted).
         Returns how many leases that ended; 0 for a session not open."""
         with self._lock:
             self._reap(self._clock())
-            if not self._sessions.close(session):
+            if not self.sessions.close(session):
                 return 0
             self.counters["sessions_closed"] += 1
-            return self._end_session(session)
+            return self.leases.end_session(session)
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -256,7 +275,7 @@ class StoreCore(StoreState):
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "duplicate keys in one allocation")
         with self._lock:
             now = self._clock()
-            info = self._use_namespace(ns_id, now)
+            info = self.namespaces.use(ns_id, now)
             for key, size in zip(keys, sizes, strict=True):
                 if size != info.chunk_bytes:
                     raise KvtierError(
@@ -265,63 +284,27 @@ class StoreCore(StoreState):
                         f"stores {info.chunk_bytes}-byte chunks",
                     )
             self._reap(now)  # first: chunks of expired write leases are fresh again
-            fresh = sum(1 for key in keys if not self._held_by(self._table.get(key), ns_id))
-            self._check_session(session)
-            ttl = self._ttl(ttl_s if ttl_s is not None else self.write_ttl_s)
-            self._check_lease_room(session, fresh)
+            fresh = sum(1 for key in keys if self.pages.held(key, ns_id) is None)
+            self.sessions.check(session)
+            ttl = self.leases.ttl(ttl_s if ttl_s is not None else self.write_ttl_s)
+            self.leases.check_room(session, fresh)
             pages_each = -(-info.chunk_bytes // self.page_size)
+            alloc = self.pages.alloc
             self.limits.check_share(
-                fresh * pages_each, self._alloc.free_pages, self._alloc.num_pages, self.page_size
+                fresh * pages_each, alloc.free_pages, alloc.num_pages, self.page_size
             )
-            tenant = info.tenant
-            statuses: list[AllocStatus] = []
-            locations: list[ChunkLocation | None] = []
-            written: list[ChunkEntry] = []
             evicted: list[ChunkEntry] = []
-            self._book.quota_room(tenant, fresh * pages_each, pages_each, keys, evicted)
-            for key, size in zip(keys, sizes, strict=True):
-                entry = self._table.get(key)
-                if entry is not None and entry.namespace != ns_id:
-                    # Another namespace's chunk: neither taken over nor confirmed. It answers
-                    # as an absent key that found no room (docs/security.md, the residual).
-                    statuses.append(AllocStatus.NO_SPACE)
-                    locations.append(None)
-                    continue
-                if entry is not None:
-                    if entry.state is ChunkState.COMMITTED:
-                        # The writer wants it kept: count it as a use, so that making room for
-                        # the rest of this batch does not evict the prefix it extends.
-                        self._book.policy.touch(key)
-                        status = AllocStatus.EXISTS
-                    else:
-                        status = AllocStatus.IN_PROGRESS
-                    statuses.append(status)
-                    locations.append(None)
-                    continue
-                pages = -(-size // self.page_size)
-                room = tenant.room()
-                runs = None
-                if room is not None and room < pages:
-                    self.counters["quota_no_space"] += 1
-                else:
-                    runs = self._book.allocate(pages, evicted, tenant)
-                if runs is None:
-                    statuses.append(AllocStatus.NO_SPACE)
-                    locations.append(None)
-                    continue
-                entry = ChunkEntry(key, ns_id, size, runs, pages, ChunkState.WRITING, tenant)
-                entry.last_access = now
-                self._book.add_writing(entry)
-                written.append(entry)
-                statuses.append(AllocStatus.ALLOCATED)
-                locations.append(self._book.location(entry))
+            self.pages.quota_room(info.tenant, fresh * pages_each, pages_each, keys, evicted)
+            statuses, locations, written = self.pages.place(
+                ns_id, keys, sizes, info.tenant, now, evicted
+            )
             for status in statuses:
                 self.counters[status.value] += 1
-            self._emit_removed(evicted)
-            lease_id = (
-                self._new_lease(LeaseKind.WRITE, written, now, ttl, session) if written else 0
-            )
-            granted = min(ttl, self.limits.max_lease_lifetime_s) if lease_id else 0.0
+            self.events.removed(evicted)
+            lease_id = 0
+            if written:
+                lease_id = self.leases.grant(LeaseKind.WRITE, written, now, ttl, session).id
+            granted = self.leases.granted(ttl) if lease_id else 0.0
             return AllocateResult(lease_id, statuses, locations, self.epoch, granted)
 
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
@@ -334,8 +317,8 @@ class StoreCore(StoreState):
             self.limits.check_batch(len(keys))
         with self._lock:
             self._reap(self._clock())
-            lease = self._get_lease(lease_id, LeaseKind.WRITE)
-            entries = self._select(lease.entries, keys)
+            lease = self.leases.require(lease_id, LeaseKind.WRITE)
+            entries = lease.select(keys)
             if len(checksums) != len(entries):
                 raise KvtierError(
                     ErrorCode.INVALID_ARGUMENT,
@@ -343,21 +326,18 @@ class StoreCore(StoreState):
                 )
             stored: dict[bytes, list[bytes]] = {}
             committed = 0
-            chosen = set(map(id, entries))
-            lease.entries = [e for e in lease.entries if id(e) not in chosen]
+            lease.drop(entries)
             for entry, checksum in zip(entries, checksums, strict=True):
-                if not self._book.commit(entry, checksum):
+                if not self.pages.commit(entry, checksum):
                     continue  # deleted while being written: freed
                 if not checksum:
-                    self._unsummed.append(entry)
+                    self.checksums.add(entry)
                 stored.setdefault(entry.namespace, []).append(entry.key)
                 committed += 1
             if not lease.entries:
-                self._leases.pop(lease_id)
+                self.leases.pop(lease_id)
             self.counters["commits"] += committed
-            self.events.append(
-                [StoreEvent(EventKind.STORED, ns, tuple(ks)) for ns, ks in stored.items()]
-            )
+            self.events.stored(stored)
             return committed
 
     def abort(
@@ -378,16 +358,15 @@ class StoreCore(StoreState):
         with self._lock:
             now = self._clock()
             self._reap(now)
-            lease = self._get_lease(lease_id, LeaseKind.WRITE)
-            entries = self._select(lease.entries, keys)
-            chosen = set(map(id, entries))
-            lease.entries = [e for e in lease.entries if id(e) not in chosen]
+            lease = self.leases.require(lease_id, LeaseKind.WRITE)
+            entries = lease.select(keys)
+            lease.drop(entries)
             if quarantine_s:
-                self._book.drop_writing(entries, quarantine_until=now + quarantine_s)
+                self.pages.drop_writing(entries, quarantine_until=now + quarantine_s)
             else:
-                self._book.drop_writing(entries)
+                self.pages.drop_writing(entries)
             if not lease.entries:
-                self._leases.pop(lease_id)
+                self.leases.pop(lease_id)
             self.counters["aborts"] += len(entries)
             return len(entries)
 
@@ -397,74 +376,61 @@ class StoreCore(StoreState):
         self.limits.check_batch(len(keys))
         check_keys(keys)
         with self._lock:
-            self._use_namespace(ns_id, self._clock())
+            self.namespaces.use(ns_id, self._clock())
             removed: list[ChunkEntry] = []
             for key in keys:
-                entry = self._table.get(key)
-                if not self._held_by(entry, ns_id):  # absent, or another namespace's
+                entry = self.pages.held(key, ns_id)
+                if entry is None:  # absent, or another namespace's
                     continue
                 if entry.state is ChunkState.COMMITTED:
-                    self._book.policy.remove(key)
+                    self.pages.policy.remove(key)
                     removed.append(entry)
-                self._book.unlink(entry)
-            self._emit_removed(removed)
+                self.pages.unlink(entry)
+            self.events.removed(removed)
             self.counters["deletes"] += len(removed)
             return len(removed)
 
     def clear(self) -> int:
         """Remove every chunk. Pinned and half-written ones go once their leases end."""
         with self._lock:
-            entries = list(self._table.values())
+            entries = list(self.pages.table.values())
             for entry in entries:
                 if entry.state is ChunkState.COMMITTED:
-                    self._book.policy.remove(entry.key)
-                self._book.unlink(entry)
+                    self.pages.policy.remove(entry.key)
+                self.pages.unlink(entry)
             self.counters["clears"] += 1
             self.events.append([StoreEvent(EventKind.CLEARED)])
             return len(entries)
 
-    # -- checksums ---------------------------------------------------------------------------
-    # Writers may commit without a checksum (0) so a put costs one memcpy; the store computes
-    # it afterwards, off the writer's path, pinning the chunk meanwhile so it cannot change.
+    # -- checksums (``kvtier.store.state.checksums``) -----------------------------------------
 
     def take_unsummed(self, limit: int = 64) -> list[tuple[ChunkEntry, ChunkLocation]]:
         """Pin up to ``limit`` committed chunks that still lack a checksum."""
-        out: list[tuple[ChunkEntry, ChunkLocation]] = []
         with self._lock:
-            while self._unsummed and len(out) < limit:
-                entry = self._unsummed.popleft()
-                if entry.doomed or entry.checksum:
-                    continue
-                self._book.pin(entry)
-                out.append((entry, self._book.location(entry)))
-        return out
+            return self.checksums.take(limit)
 
     def unsummed_count(self) -> int:
         with self._lock:
-            return sum(1 for e in self._unsummed if not e.doomed and not e.checksum)
+            return len(self.checksums)
 
     def finish_checksums(self, done: list[tuple[ChunkEntry, int]]) -> None:
         """Record checksums computed for ``take_unsummed``'s chunks and unpin them."""
         with self._lock:
-            for entry, checksum in done:
-                entry.checksum = checksum
-                self._book.unpin(entry)
+            self.checksums.finish(done)
 
     def read_lease_entries(self, lease_id: int) -> list[ChunkEntry]:
         """The chunks pinned by a read lease, in lookup order (to checksum them in place)."""
         with self._lock:
-            return list(self._get_lease(lease_id, LeaseKind.READ).entries)
+            return list(self.leases.require(lease_id, LeaseKind.READ).entries)
 
     def record_checksums(self, done: list[tuple[ChunkEntry, int]]) -> None:
         """Record checksums computed for pinned chunks (e.g. of a read lease)."""
         with self._lock:
-            for entry, checksum in done:
-                if not entry.checksum:
-                    entry.checksum = checksum
+            self.checksums.record(done)
 
     def location_of(self, entry: ChunkEntry) -> ChunkLocation:
         with self._lock:
-            return self._book.location(entry)
+            return self.pages.location(entry)
 
     # -- demotion ----------------------------------------------------------------------------
 
@@ -474,8 +440,8 @@ class StoreCore(StoreState):
         out: list[tuple[bytes, bytes, int]] = []
         with self._lock:
             total = 0
-            for key in self._book.policy.coldest(self._book.evictable):
-                entry = self._table[cast(bytes, key)]
+            for key in self.pages.policy.coldest(self.pages.evictable):
+                entry = self.pages.table[cast(bytes, key)]
                 if total + entry.pages * self.page_size > max_bytes:
                     break
                 total += entry.pages * self.page_size
@@ -490,12 +456,52 @@ class StoreCore(StoreState):
         with self._lock:
             now = self._clock()
             self._reap(now)
-            self._retire_idle_namespaces(now)
+            self.namespaces.retire_idle(now)
+
+    def _reap(self, now: float) -> None:
+        """What time ended: quarantines, leases past their expiry, sessions without a
+        heartbeat (with every lease of theirs)."""
+        self.pages.release_quarantine(now)
+        self.leases.expire(now)
+        for session in self.sessions.pop_expired(now):
+            self.counters["sessions_expired"] += 1
+            self.leases.end_session(session)
 
     def snapshot(self) -> Snapshot:
         with self._lock:
             chunks: dict[bytes, list[bytes]] = {}
-            for entry in self._table.values():
+            for entry in self.pages.table.values():
                 if entry.state is ChunkState.COMMITTED:
                     chunks.setdefault(entry.namespace, []).append(entry.key)
             return Snapshot(self.events.last_seq, chunks)
+
+    def stats(self) -> dict[str, int | float | str]:
+        with self._lock:
+            pages = self.pages.stats()
+            return {
+                "node_id": self.node_id,
+                "epoch": self.epoch,
+                "capacity_bytes": self.capacity_bytes,
+                "page_size": self.page_size,
+                **pages,
+                "namespaces": len(self.namespaces),
+                **self.leases.stats(),
+                "sessions": len(self.sessions),
+                "event_seq": self.events.last_seq,
+                **self.counters,
+                **self.tenants.stats(),
+            }
+
+    def check_invariants(self) -> None:
+        """Assert that the components agree (tests and debug builds): the page accounting,
+        tenants' holdings, namespaces against chunks, leases against namespaces."""
+        with self._lock:
+            self.pages.check()
+            for tenant in self.tenants.all():
+                held = sum(e.pages for e in self.pages.table.values() if e.tenant is tenant)
+                assert held == tenant.held - self.leases.doomed_writing(tenant), tenant
+                assert tenant.quota is None or tenant.held <= tenant.quota, tenant
+            self.namespaces.check()
+            live = self.pages.live
+            for lease in self.leases.all():
+                assert all(e.namespace in live for e in lease.entries), lease.id

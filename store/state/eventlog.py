@@ -14,8 +14,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvtier.store.api.events import EventBatch, EventGap, StoreEvent
+from kvtier.store.api.events import EventBatch, EventGap, EventKind, StoreEvent
+
+if TYPE_CHECKING:
+    from kvtier.store.state.entries import ChunkEntry
 
 
 @dataclass
@@ -47,6 +51,17 @@ class EventLog:
             )
             self._cond.notify_all()
             return seq
+
+    def removed(self, entries: list[ChunkEntry]) -> None:
+        """One batch saying ``entries`` left the pool (evicted, deleted), by namespace."""
+        by_ns: dict[bytes, list[bytes]] = {}
+        for entry in entries:
+            by_ns.setdefault(entry.namespace, []).append(entry.key)
+        self.append([StoreEvent(EventKind.REMOVED, ns, tuple(keys)) for ns, keys in by_ns.items()])
+
+    def stored(self, keys: dict[bytes, list[bytes]]) -> None:
+        """One batch saying ``keys`` (namespace id -> keys) became readable."""
+        self.append([StoreEvent(EventKind.STORED, ns, tuple(ks)) for ns, ks in keys.items()])
 
     def read(
         self, from_seq: int, max_batches: int = 256, timeout: float | None = None

@@ -1,9 +1,9 @@
 """Which pages hold which chunk: the pool's bookkeeping under the store's lock.
 
 ``PageBook`` owns the chunk table, the page allocator, the eviction policy and the page
-counts by state, in total and per tenant (``kvtier.store.state.quotas``); ``StoreCore`` (leases,
-namespaces, events, the API) drives it. The counts always add up
-(``StoreCore.check_invariants``): committed + writing + doomed (unlinked, still pinned) +
+counts by state, in total and per tenant (``kvtier.store.state.quotas``); ``StoreCore`` drives
+it, and ends leases through it (``LeaseTable.end``). The counts always add up
+(``check``): committed + writing + doomed (unlinked, still pinned) +
 quarantined (a failed transfer may still write them) = pages in use. Per namespace it counts
 the chunks not yet freed (``live``): in the table, or out of it but still pinned or being
 written; the store retires only a namespace with none.
@@ -22,6 +22,7 @@ from collections.abc import Hashable, Sequence
 from typing import cast
 
 from kvtier.core.chunks import ChunkLocation
+from kvtier.store.api.types import AllocStatus
 from kvtier.store.pool.allocator import PageAllocator, PageRun
 from kvtier.store.pool.eviction import IsEvictable, make_policy
 from kvtier.store.state.entries import ChunkEntry, ChunkState
@@ -50,6 +51,16 @@ class PageBook:
         self.quarantine_seq = 0
         self.counters = counters  # the store's (evictions, quarantined, quarantine_released)
 
+    def held(self, key: bytes, ns_id: bytes) -> ChunkEntry | None:
+        """The chunk ``key`` as namespace ``ns_id`` sees it: None when absent or another
+        namespace's. A chunk of another namespace answers as absent to that namespace's
+        callers, never as an error: namespace ids are public (the index lists them), so anyone
+        can compute another namespace's keys for a guessed prompt, and an answer that told
+        "held elsewhere" from "absent" would say whether someone else holds that prompt
+        (naming the owner would say whose)."""
+        entry = self.table.get(key)
+        return entry if entry is not None and entry.namespace == ns_id else None
+
     def release_quarantine(self, now: float) -> None:
         while self.quarantine and self.quarantine[0][0] <= now:
             _, _, runs = heapq.heappop(self.quarantine)
@@ -74,6 +85,55 @@ class PageBook:
                 return None
             self._evicted(self.table[key], evicted)
         return self.alloc.allocate(pages)
+
+    def place(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        tenant: Tenant,
+        now: float,
+        evicted: list[ChunkEntry],
+    ) -> tuple[list[AllocStatus], list[ChunkLocation | None], list[ChunkEntry]]:
+        """One allocation's chunks of namespace ``ns_id`` (``tenant``'s): per key its status,
+        where to write it (ALLOCATED only) and the chunks now being written. A key of another
+        namespace is neither taken over nor confirmed: it answers as an absent key that found
+        no room (docs/security.md, the residual). A stored key counts as a use, so that
+        making room for the rest of the batch does not evict the prefix it extends."""
+        statuses: list[AllocStatus] = []
+        locations: list[ChunkLocation | None] = []
+        written: list[ChunkEntry] = []
+        for key, size in zip(keys, sizes, strict=True):
+            entry = self.table.get(key)
+            if entry is not None:
+                if entry.namespace != ns_id:
+                    status = AllocStatus.NO_SPACE
+                elif entry.state is ChunkState.COMMITTED:
+                    self.policy.touch(key)  # the writer wants it kept
+                    status = AllocStatus.EXISTS
+                else:
+                    status = AllocStatus.IN_PROGRESS
+                statuses.append(status)
+                locations.append(None)
+                continue
+            pages = -(-size // self.page_size)
+            room = tenant.room()
+            runs = None
+            if room is not None and room < pages:
+                self.counters["quota_no_space"] += 1
+            else:
+                runs = self.allocate(pages, evicted, tenant)
+            if runs is None:
+                statuses.append(AllocStatus.NO_SPACE)
+                locations.append(None)
+                continue
+            entry = ChunkEntry(key, ns_id, size, runs, pages, ChunkState.WRITING, tenant)
+            entry.last_access = now
+            self.add_writing(entry)
+            written.append(entry)
+            statuses.append(AllocStatus.ALLOCATED)
+            locations.append(self.location(entry))
+        return statuses, locations, written
 
     def quota_room(
         self,
@@ -231,3 +291,41 @@ class PageBook:
             extents.append((start * self.page_size, nbytes))
             remaining -= nbytes
         return ChunkLocation(entry.key, entry.size, tuple(extents), entry.checksum)
+
+    def stats(self) -> dict[str, int | str]:
+        page = self.page_size
+        committed_chunks = sum(1 for e in self.table.values() if e.state is ChunkState.COMMITTED)
+        return {
+            "eviction": self.policy.name,
+            "used_bytes": self.alloc.used_pages * page,
+            "free_bytes": self.alloc.free_pages * page,
+            "committed_bytes": self.pages["committed"] * page,
+            "pinned_bytes": self.pages["pinned"] * page,
+            "writing_bytes": self.pages["writing"] * page,
+            "doomed_bytes": self.pages["doomed"] * page,
+            "quarantined_bytes": self.pages["quarantined"] * page,
+            "largest_free_run_bytes": self.alloc.largest_free_run() * page,
+            "chunks": committed_chunks,
+            "writing_chunks": len(self.table) - committed_chunks,
+        }
+
+    def check(self) -> None:
+        """Assert the page accounting adds up, in total and per tenant."""
+        pages = self.pages
+        total = pages["committed"] + pages["writing"] + pages["doomed"] + pages["quarantined"]
+        assert total == self.alloc.used_pages, (pages, self.alloc.used_pages)
+        assert self.alloc.used_pages <= self.alloc.num_pages
+        table = self.table.values()
+        pinned = sum(e.pages for e in table if e.state is ChunkState.COMMITTED and e.pins > 0)
+        assert pinned == pages["pinned"], (pinned, pages)
+        committed = [e for e in table if e.state is ChunkState.COMMITTED]
+        assert len(committed) == len(self.policy)
+        assert all(e.key in self.policy for e in committed)
+        tenants = self.tenants.all()
+        for state in ("writing", "committed", "pinned"):
+            assert sum(getattr(t, state) for t in tenants) == pages[state], (state, pages)
+        in_table: dict[bytes, int] = {}
+        for entry in table:
+            in_table[entry.namespace] = in_table.get(entry.namespace, 0) + 1
+        live = self.live
+        assert all(live.get(ns, 0) >= n for ns, n in in_table.items()), (in_table, live)

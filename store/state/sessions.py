@@ -4,10 +4,11 @@ A lease alone outlives its holder by up to its TTL, and clients ask for long one
 take minutes): a killed engine's pins would block eviction that long. A client therefore
 opens a session, heartbeats it (every ``timeout_s / 3`` or so), and creates its leases under
 it; when the session ends (the client closes it, or no heartbeat arrives for ``timeout_s``)
-the store ends every lease of the session at once (``StoreCore``). What one session holds is
-bounded (``store.max_leases_per_session``, ``store.max_leased_chunks_per_session``), so over
-gRPC every lease belongs to a session (one asked for without is refused). In-process callers
-(an embedded store, the remote tier's own allocations) use session id 0: TTL-only leases.
+the store ends every lease of the session at once (``LeaseTable.end_session``). What one
+session holds is bounded (``store.max_leases_per_session``,
+``store.max_leased_chunks_per_session``), so over gRPC every lease belongs to a session (one
+asked for without is refused). In-process callers (an embedded store, the remote tier's own
+allocations) use session id 0: TTL-only leases.
 
 Session ids are random 63-bit numbers: a client cannot guess, and so end, another's session.
 
@@ -37,6 +38,15 @@ class SessionTable:
 
     def __contains__(self, session: int) -> bool:
         return session in self._expires
+
+    def check(self, session: int) -> None:
+        """UNKNOWN_SESSION unless ``session`` is open (0, no session, always passes)."""
+        if session and session not in self._expires:
+            raise KvtierError(
+                ErrorCode.UNKNOWN_SESSION,
+                f"session {session:x} is not open (closed, or no heartbeat for "
+                f"{self.timeout_s} s): open a new one",
+            )
 
     def open(self, now: float) -> int:
         if len(self._expires) >= self.max_sessions:

@@ -11,9 +11,10 @@ the connector drives them in vLLM's order of hooks.
   copy. Each has a control that removes the ordering and shows the bytes torn, so the checks
   can fail.
 
-Needs a CUDA device; skipped elsewhere (the CPU side of the same copies: tests/test_kv_copy.py,
-tests/test_kv_layouts.py). Run on a GPU machine without vLLM: ``pytest tests/gpu
---confcutdir tests/gpu`` (conftest.py puts the vLLM shim on the path).
+Needs a CUDA device; skipped elsewhere (the CPU side of the same copies:
+tests/unit/connector/test_kv_copy.py, tests/unit/connector/test_kv_layouts.py). Run on a GPU
+machine without vLLM: ``pytest tests/gpu --confcutdir tests/gpu`` (conftest.py stands the vLLM
+shim in for vLLM).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from gpu.kv_rig import KvRig, round_trip, same_bytes
+from support.kv_rig import KvRig, round_trip, same_bytes
 
 from kvtier.bench.micro import kv_layouts
 from kvtier.connector import cuda_copy, paged_kv

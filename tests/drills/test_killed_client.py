@@ -1,0 +1,132 @@
+"""A killed engine frees its pins in seconds, not at its leases' TTL: a real store, a real
+client process holding 300 s leases, SIGKILLed; its session ends, and what it pinned is
+evictable again (the session state machine: tests/unit/store/test_sessions.py)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from support.helpers import start_store_process
+
+from kvtier.core.keys import Namespace, prompt_keys
+from kvtier.store.api.types import AllocStatus
+from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.tiers.cpu import CpuTier
+
+NS = Namespace(
+    model="sessions", dtype="float16", num_layers=1, num_kv_heads=1, head_size=8, chunk_tokens=4
+)
+
+
+def keys(n: int, start: int = 0, ns: Namespace = NS) -> list[bytes]:
+    return prompt_keys(ns, list(range(4 * start, 4 * (start + n))))
+
+
+CHUNK = 1 << 20
+
+
+def put(address: str, ks: list[bytes], seed: int = 0) -> tuple[bytes, list[AllocStatus]]:
+    with CpuTier(GrpcStoreClient(address)) as tier:
+        ns_id = tier.register_namespace(NS, CHUNK)
+        with tier.allocate(ns_id, ks, CHUNK) as lease:
+            for i in lease.allocated:
+                lease.write(i, np.full(CHUNK, seed + i, np.uint8))
+        return ns_id, list(lease.statuses)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from kvtier.core.keys import Namespace
+    from kvtier.store.client.grpc import GrpcStoreClient
+
+    address, ns_json, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    held = [bytes.fromhex(k) for k in sys.argv[4].split(",")]
+    fresh = [bytes.fromhex(k) for k in sys.argv[5].split(",")]
+    client = GrpcStoreClient(address)
+    ns_id = client.register_namespace(Namespace.model_validate_json(ns_json), chunk)
+    read = client.lookup(ns_id, held, lease_ttl_s=300)
+    write = client.allocate(ns_id, fresh, [chunk] * len(fresh), ttl_s=300)
+    assert len(read.hits) == len(held) and write.lease_id
+    print("leased", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_killed_client_frees_its_pins_in_seconds(run_dir: Path) -> None:
+    """The drill: an engine holding 300 s leases is SIGKILLed; its pins go within seconds
+    (store.session_timeout_s, default 5 s), and what they pinned is evictable again."""
+    store = start_store_process(run_dir, "16MiB", env={"KVTIER_STORE__POOL__EVICTION": "lru"})
+    admin = GrpcStoreClient(store.address)
+    child = None
+    try:
+        pinned = keys(4)
+        ns_id, statuses = put(store.address, pinned)
+        assert statuses == [AllocStatus.ALLOCATED] * 4
+        fresh = keys(1, start=100)
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CHILD,
+                store.address,
+                NS.model_dump_json(),
+                str(CHUNK),
+                ",".join(k.hex() for k in pinned),
+                ",".join(k.hex() for k in fresh),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None and child.stdout.readline().strip() == "leased"
+        stats = admin.stats()
+        assert stats["read_leases"] == 1 and stats["write_leases"] == 1
+        assert stats["pinned_bytes"] == 4 * CHUNK and stats["sessions"] == 1
+        # While the client lives its chunks are pinned: a flood of puts cannot evict them.
+        flood = keys(16, start=200)
+        for i in range(0, 16, 4):
+            put(store.address, flood[i : i + 4], seed=i)
+        assert len(admin.lookup(ns_id, pinned).hits) == 4  # (LRU: now the most recent)
+
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        took = wait_for(
+            lambda: admin.stats()["read_leases"] == 0 and admin.stats()["write_leases"] == 0,
+            60,
+            "the killed client's leases to end",
+        )
+        assert took < 60  # well under the 300 s TTL
+        stats = admin.stats()
+        assert stats["pinned_bytes"] == 0 and stats["writing_bytes"] == 0
+        assert stats["sessions"] == 0 and stats["sessions_expired"] == 1
+        assert stats["session_released_read"] == 1 and stats["session_released_write"] == 1
+        assert stats["expired_read"] == 0  # ended with the session, not by TTL
+
+        # The chunks it pinned are evictable again: a flood the size of the pool takes them.
+        more = keys(16, start=400)
+        for i in range(0, 16, 4):
+            _, statuses = put(store.address, more[i : i + 4], seed=i)
+            assert statuses == [AllocStatus.ALLOCATED] * 4
+        assert admin.lookup(ns_id, pinned).hits == []
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        admin.close()
+        store.stop()

@@ -1,0 +1,54 @@
+"""A slow store costs the scheduler thread one small wait per step, whatever the queue.
+
+vLLM's real ``Scheduler`` asks the connector about every waiting request each step; with a
+store whose lookups take 200 ms (injected: a loaded or remote store) and 40 requests
+waiting, the waits of one step share one ``lookup_wait_s`` budget, and past
+``max_pending_lookups`` in flight a request is a miss instead of one more lookup queued.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from support.engine_rig import EngineRig
+
+
+def _slow_store(rig: EngineRig, seconds: float) -> None:
+    scheduler = rig.connector.scheduler
+    scheduler._lookups = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lookup")  # served
+    resolve = scheduler.resolver.resolve
+
+    def slow(state, computed):
+        time.sleep(seconds)
+        return resolve(state, computed)
+
+    scheduler.resolver.resolve = slow
+
+
+def test_one_wait_budget_per_step_and_a_bounded_queue(tmp_path: Path) -> None:
+    wait_s, steps = 0.02, 4
+    rig = EngineRig(
+        tmp_path,
+        max_num_seqs=64,
+        extra={"lookup_wait_s": wait_s, "max_pending_lookups": 8},
+    )
+    try:
+        _slow_store(rig, 0.2)
+        for i in range(40):
+            rig.add(f"r{i}", list(range(4 + i, 4 + i + 100)))
+        for _ in range(steps):
+            rig.step()
+        rig.connector.scheduler.take_stats()
+        waited = rig.counters.get("lookup_wait_seconds", 0)
+        # one budget per step (a few ms of slack for the last wait's wake-up), where each
+        # request waiting its own budget would be 40 x 20 ms per step
+        assert waited <= steps * wait_s + 0.05
+        assert rig.counters.get("lookups_shed", 0) >= 40 - 8
+        rig.run()
+        assert all(rig.outputs_of(f"r{i}") for i in range(40))
+        assert rig.wrong == []
+    finally:
+        rig.connector.scheduler._lookups.shutdown(wait=True, cancel_futures=True)
+        rig.close()
