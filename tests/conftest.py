@@ -10,10 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.helpers import RedisServer, StoreProcess, start_redis, start_store_process
 
 from kvtier.core.config import StoreConfig
 from kvtier.core.keys import Namespace
+
+from support.helpers import RedisServer, StoreProcess, start_redis, start_store_process
 
 
 @pytest.fixture

@@ -17,17 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from support.helpers import (
-    IndexProcess,
-    RedisServer,
-    StoreProcess,
-    free_port,
-    http_json,
-    start_index_process,
-    start_redis,
-    start_store_process,
-)
-from support.vllm_fixtures import FaultyPublisher, wait_for
 
 from kvtier.core.chunks import Tier
 from kvtier.core.config import StoreConfig
@@ -40,6 +29,18 @@ from kvtier.index.ingest.vllm_wire import BlockStored
 from kvtier.index.server.service import IndexService
 from kvtier.store.api.events import EventKind
 from kvtier.tiers import connect
+
+from support.helpers import (
+    IndexProcess,
+    RedisServer,
+    StoreProcess,
+    free_port,
+    http_json,
+    start_index_process,
+    start_redis,
+    start_store_process,
+)
+from support.vllm_fixtures import FaultyPublisher, wait_for
 
 CHUNK = 16 << 10
 NS = Namespace(

@@ -10,14 +10,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.helpers import RedisServer, free_port, http_json, start_redis
-from support.vllm_fixtures import FaultyPublisher, wait_for
 
 from kvtier.core.config.index import IndexConfig, VllmSource
 from kvtier.core.keys import Namespace
 from kvtier.index.api import IndexHealth, Query
 from kvtier.index.ingest.vllm_wire import BlockStored
 from kvtier.index.server.service import IndexService
+
+from support.helpers import RedisServer, free_port, http_json, start_redis
+from support.vllm_fixtures import FaultyPublisher, wait_for
 
 NS = Namespace(model="m", dtype="bf16", num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=32)
 _hashes = iter(range(1, 1 << 40))

@@ -13,12 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from support.helpers import start_store_process
 
 from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.types import AllocStatus
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.tiers.cpu import CpuTier
+
+from support.helpers import start_store_process
 
 NS = Namespace(
     model="sessions", dtype="float16", num_layers=1, num_kv_heads=1, head_size=8, chunk_tokens=4

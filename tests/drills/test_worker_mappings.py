@@ -23,11 +23,12 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import pytest
-from support.kv_rig import KvRig
 
 from kvtier.bench.micro import kv_layouts
 from kvtier.connector.metadata import KvtierMetadata, SegmentRef
 from kvtier.store.client.shm import SharedSegment, remove_segment
+
+from support.kv_rig import KvRig
 
 MiB = 1 << 20
 GiB = 1 << 30

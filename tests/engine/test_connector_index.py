@@ -7,14 +7,15 @@ import random
 from pathlib import Path
 
 import pytest
-from support.helpers import start_index_process
-from support.vllm_fixtures import make_tiny_llama, vllm_env
 
 from kvtier.core.chunks import Tier
 from kvtier.index.api import LocationKind, Query
 from kvtier.index.client.grpc import GrpcIndexClient
 from kvtier.testing.ports import free_port
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
+
+from support.helpers import start_index_process
+from support.vllm_fixtures import make_tiny_llama, vllm_env
 
 pytestmark = pytest.mark.vllm
 

@@ -10,11 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from support.helpers import StoreProcess, start_index_process, start_store_process
-from support.vllm_fixtures import make_tiny_llama, vllm_env
 
 from kvtier.testing.services import wait_indexed
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
+
+from support.helpers import StoreProcess, start_index_process, start_store_process
+from support.vllm_fixtures import make_tiny_llama, vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.remote]
 

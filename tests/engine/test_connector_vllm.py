@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.helpers import StoreProcess, start_store_process
-from support.vllm_fixtures import make_tiny_llama, vllm_env
 
 from kvtier.connector.config import parse_extra_config
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
+
+from support.helpers import StoreProcess, start_store_process
+from support.vllm_fixtures import make_tiny_llama, vllm_env
 
 pytestmark = pytest.mark.vllm
 

@@ -10,13 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.helpers import IndexProcess, free_port, start_index_process
-from support.vllm_fixtures import make_tiny_llama, tiny_llm, wait_for
 
 from kvtier.core.chunks import Tier
 from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.index.api import Query
 from kvtier.index.client.grpc import GrpcIndexClient
+
+from support.helpers import IndexProcess, free_port, start_index_process
+from support.vllm_fixtures import make_tiny_llama, tiny_llm, wait_for
 
 pytestmark = pytest.mark.vllm
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.helpers import start_index_process
 
 from kvtier.core.config import IndexConfig
 from kvtier.core.config.router import RouterConfig
@@ -30,6 +29,8 @@ from kvtier.router.tokenize import PromptTokenizer
 from kvtier.testing.ports import free_port
 from kvtier.testing.vllm_driver import kvtier_transfer_config
 from kvtier.testing.vllm_server import MODEL_NAME, VllmServer
+
+from support.helpers import start_index_process
 
 pytestmark = pytest.mark.vllm
 CHUNK = 64

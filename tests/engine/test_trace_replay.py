@@ -13,6 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from kvtier.traces.replay import read_results
+
 from support.trace_helpers import req, shared_lines, write_trace
 from support.trace_vllm_server import (
     BLOCK_SIZE,
@@ -21,8 +24,6 @@ from support.trace_vllm_server import (
     VllmServer,
     build_tiny_model,
 )
-
-from kvtier.traces.replay import read_results
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from support.kv_rig import KvRig, round_trip, same_bytes
 
 from kvtier.bench.micro import kv_layouts
 from kvtier.connector import cuda_copy, paged_kv
 from kvtier.connector.streams import DeviceOrdering
+
+from support.kv_rig import KvRig, round_trip, same_bytes
 
 pytestmark = [
     pytest.mark.gpu,

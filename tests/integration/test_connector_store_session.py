@@ -16,13 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.helpers import StoreProcess, start_store_process
 
 from kvtier.connector.layout import KvGeometry, ModelIdentity
 from kvtier.connector.scheduler import ConnectorScheduler
 from kvtier.core.config import StoreConfig
 from kvtier.core.config.connector import ConnectorConfig
 from kvtier.tiers import Tiers, connect
+
+from support.helpers import StoreProcess, start_store_process
 
 CHUNK = 64
 GEOMETRY = KvGeometry(("l0",), 32, 1024, CHUNK, "t")

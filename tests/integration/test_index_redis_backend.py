@@ -5,6 +5,7 @@ tests/unit/index/test_backends.py)."""
 from __future__ import annotations
 
 import pytest
+
 from support.index_suite import *  # noqa: F403  (the suite's fixtures and tests run here)
 
 

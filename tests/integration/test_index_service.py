@@ -10,8 +10,6 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from support.helpers import IndexProcess, free_port, http_json, start_index_process
-from support.vllm_fixtures import FaultyPublisher, wait_for
 
 from kvtier.core.chunks import Tier
 from kvtier.core.errors import ErrorCode, KvtierError
@@ -29,6 +27,9 @@ from kvtier.index.ingest.vllm_wire import BlockStored
 from kvtier.index.proto import index_pb2 as pb
 from kvtier.index.proto import index_pb2_grpc
 from kvtier.store.api.events import EventKind
+
+from support.helpers import IndexProcess, free_port, http_json, start_index_process
+from support.vllm_fixtures import FaultyPublisher, wait_for
 
 NS = Namespace(model="m", dtype="bf16", num_layers=4, num_kv_heads=2, head_size=64, chunk_tokens=16)
 TOKENS = list(range(1000, 1000 + 5 * 16 + 3))

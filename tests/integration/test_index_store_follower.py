@@ -8,8 +8,6 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-from support.helpers import RedisServer, StoreProcess, start_store_process
-from support.vllm_fixtures import wait_for
 
 from kvtier.core.chunks import Tier
 from kvtier.core.config import StoreConfig
@@ -19,6 +17,9 @@ from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.index.api import LocationKind, LocationStatus, Query
 from kvtier.index.server.service import EmbeddedIndex
 from kvtier.tiers import connect
+
+from support.helpers import RedisServer, StoreProcess, start_store_process
+from support.vllm_fixtures import wait_for
 
 CHUNK = 16 << 10
 NS = Namespace(

@@ -12,8 +12,6 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
-from support.helpers import RedisServer, free_port
-from support.vllm_fixtures import FaultyPublisher, wait_for
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -28,6 +26,9 @@ from kvtier.core.keys import Namespace
 from kvtier.index.api import LocationStatus, Query
 from kvtier.index.backends.redis import RedisIndex
 from kvtier.index.server.service import EmbeddedIndex
+
+from support.helpers import RedisServer, free_port
+from support.vllm_fixtures import FaultyPublisher, wait_for
 
 BS = 16
 NS = Namespace(

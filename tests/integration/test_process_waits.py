@@ -10,9 +10,9 @@ import threading
 import time
 from pathlib import Path
 
-from support.helpers import start_store_process
-
 from kvtier.testing.services import process_state, store_leases, store_stats
+
+from support.helpers import start_store_process
 
 
 def test_process_state_tells_running_stopped_and_gone(run_dir: Path) -> None:

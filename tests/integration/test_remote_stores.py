@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.helpers import StoreProcess, start_store_process
 
 from kvtier.core.chunks import LookupStatus
 from kvtier.core.keys import Namespace, prompt_keys
@@ -27,6 +26,8 @@ from kvtier.store.client.shm import SharedSegment, checksum_views
 from kvtier.store.node import cleanup_stale_segments
 from kvtier.testing.ports import free_port
 from kvtier.tiers.cpu import CpuTier
+
+from support.helpers import StoreProcess, start_store_process
 
 pytestmark = pytest.mark.remote
 

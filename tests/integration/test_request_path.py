@@ -255,9 +255,9 @@ def report(title: str, lists: dict[str, list[str]]) -> None:
 def _rig(tmp_path: Path, **extra: Any) -> Any:
     """An engine of one tiny model (made once under ``tmp_path``'s parent: every node runs the
     same, or they would share no namespace)."""
-    from support.engine_rig import EngineRig
-
     from kvtier.testing.models import make_tiny_llama
+
+    from support.engine_rig import EngineRig
 
     model = tmp_path.parent / "model"
     if not model.exists():

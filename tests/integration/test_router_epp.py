@@ -23,6 +23,12 @@ import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier.core.auth import Authenticator
+from kvtier.core.config.auth import AuthConfig
+from kvtier.core.config.router import RouterConfig
+from kvtier.router.epp import Epp, EppServer, endpoint_of
+
 from support.ext_proc import (
     BODY,
     Envoy,
@@ -33,11 +39,6 @@ from support.ext_proc import (
     subset_hint,
 )
 from support.stub_backend import StubBackend
-
-from kvtier.core.auth import Authenticator
-from kvtier.core.config.auth import AuthConfig
-from kvtier.core.config.router import RouterConfig
-from kvtier.router.epp import Epp, EppServer, endpoint_of
 
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hi"}]}
 MODE = processing_mode_pb2.ProcessingMode

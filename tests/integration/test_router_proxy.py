@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from support.stub_backend import STREAM_CHUNKS, StubBackend
 
 from kvtier.core.auth import Authenticator
 from kvtier.core.config.auth import AuthConfig
@@ -18,6 +17,8 @@ from kvtier.core.config.router import RouterConfig
 from kvtier.core.http import HttpServer
 from kvtier.router.proxy import Proxy
 from kvtier.router.service import build
+
+from support.stub_backend import STREAM_CHUNKS, StubBackend
 
 
 @dataclass

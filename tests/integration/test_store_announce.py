@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from support.helpers import http_json, start_index_process, start_store_process
-
 from kvtier.core.config import StoreConfig
 from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.tiers import connect
+
+from support.helpers import http_json, start_index_process, start_store_process
 
 NS = Namespace(
     model="announce", dtype="f16", num_layers=1, num_kv_heads=1, head_size=64, chunk_tokens=16

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.helpers import start_store_process
 
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace
@@ -16,6 +15,8 @@ from kvtier.core.rpc import open_channel
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
+
+from support.helpers import start_store_process
 
 PAGE = 4096
 

@@ -14,14 +14,6 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-from support.helpers import (
-    StoreProcess,
-    child_get,
-    child_lease_and_die,
-    child_put,
-    chunk_bytes,
-    start_store_process,
-)
 
 from kvtier.core.chunks import LookupStatus
 from kvtier.core.config import StoreConfig
@@ -34,6 +26,15 @@ from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
 from kvtier.testing.ports import free_port
 from kvtier.tiers import connect
+
+from support.helpers import (
+    StoreProcess,
+    child_get,
+    child_lease_and_die,
+    child_put,
+    chunk_bytes,
+    start_store_process,
+)
 
 CHUNK = 256 << 10
 SPAWN = mp.get_context("spawn")

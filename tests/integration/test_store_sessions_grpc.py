@@ -10,12 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.helpers import StoreProcess, start_store_process
 
 from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.types import AllocStatus, LeaseStatus
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.tiers.cpu import CpuTier
+
+from support.helpers import StoreProcess, start_store_process
 
 NS = Namespace(
     model="sessions", dtype="float16", num_layers=1, num_kv_heads=1, head_size=8, chunk_tokens=4

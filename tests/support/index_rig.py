@@ -9,13 +9,13 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from support.secure_env import SALTS, TOKENS, auth_env
-
 from kvtier.core.errors import KvtierError
 from kvtier.core.keys import Namespace, salt_digest
 from kvtier.core.rpc import ClientAuth
 from kvtier.index.client.grpc import GrpcIndexClient
 from kvtier.testing.services import Service, _start
+
+from support.secure_env import SALTS, TOKENS, auth_env
 
 
 def namespace(salt: str | None, model: str = "m") -> Namespace:

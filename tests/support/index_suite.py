@@ -35,6 +35,7 @@ from kvtier.index.backends.redis import RedisIndex
 from kvtier.index.client.grpc import GrpcIndexClient
 from kvtier.index.server.service import IndexService
 from kvtier.store.api.events import EventKind
+
 from support.helpers import RedisServer
 
 STORED, REMOVED, CLEARED = EventKind.STORED, EventKind.REMOVED, EventKind.CLEARED

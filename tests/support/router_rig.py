@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
-from support.secure_env import credentials
 
 from kvtier.core.keys import Namespace
 from kvtier.index.api import LocationKind, Registration
 from kvtier.index.client.grpc import GrpcIndexClient
 from kvtier.testing.services import Service, _start
+
+from support.secure_env import credentials
 
 CLIENT_TOKEN = "client-token-0123456789"  # role client: may send requests through the router
 

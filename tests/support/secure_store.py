@@ -4,12 +4,13 @@ namespaces of the tenants in ``secure_env.SALTS`` and chunks put there."""
 from __future__ import annotations
 
 import numpy as np
-from support.secure_env import SALTS, SecureStore
 
 from kvtier.core.keys import Namespace, prompt_keys, salt_digest
 from kvtier.core.rpc import ClientAuth
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.tiers.cpu import CpuTier
+
+from support.secure_env import SALTS, SecureStore
 
 CHUNK = 4096
 

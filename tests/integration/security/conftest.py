@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from support.secure_env import TOKENS, SecureStore, auth_env
 
 from kvtier.testing.services import start_store
+
+from support.secure_env import TOKENS, SecureStore, auth_env
 
 
 @pytest.fixture(scope="module")

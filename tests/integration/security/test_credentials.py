@@ -16,8 +16,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from support.certs import Authority
-from support.secure_env import TOKENS, SecureStore, auth_env, credentials
 
 from kvtier.core.config.auth import TlsConfig
 from kvtier.core.errors import ErrorCode, KvtierError
@@ -25,6 +23,9 @@ from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.core.rpc import ClientAuth, channel_options
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.testing.services import Service, kvtier_argv, start_store
+
+from support.certs import Authority
+from support.secure_env import TOKENS, SecureStore, auth_env, credentials
 
 STORE = "/kvtier.store.v1.Store"
 

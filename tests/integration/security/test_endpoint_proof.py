@@ -5,14 +5,15 @@ never sees the caller's token."""
 from __future__ import annotations
 
 import pytest
-from support.grpc_recorder import GrpcRecorder
-from support.secure_env import TOKENS, SecureStore, credentials
 
 from kvtier.core.auth import Authenticator
 from kvtier.core.config.auth import AuthConfig
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.rpc import ClientAuth
 from kvtier.store.client.grpc import GrpcStoreClient, verify_store
+
+from support.grpc_recorder import GrpcRecorder
+from support.secure_env import TOKENS, SecureStore, credentials
 
 
 def _verifier() -> Authenticator:

@@ -14,12 +14,13 @@ import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.secure_env import TOKENS, SecureStore, auth_env
 
 from kvtier.core.rpc import ClientAuth, open_channel
 from kvtier.index.proto import index_pb2
 from kvtier.store.proto import store_pb2
 from kvtier.testing.services import Service, _start
+
+from support.secure_env import TOKENS, SecureStore, auth_env
 
 F = FieldDescriptor
 KEYISH = st.one_of(

@@ -21,11 +21,6 @@ import httpx
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from fastapi import FastAPI
-from support.certs import Authority
-from support.ext_proc import BODY, Envoy, destination, http_headers
-from support.router_rig import CLIENT_TOKEN, router_credentials, start_index, start_router
-from support.secure_env import TOKENS, auth_env, credentials
-from support.stub_backend import StubBackend
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -34,6 +29,12 @@ from kvtier.core.config.auth import AuthConfig, TlsConfig
 from kvtier.core.http import HttpGuard, HttpServer
 from kvtier.router.epp import endpoint_of
 from kvtier.testing.services import Service, start_store
+
+from support.certs import Authority
+from support.ext_proc import BODY, Envoy, destination, http_headers
+from support.router_rig import CLIENT_TOKEN, router_credentials, start_index, start_router
+from support.secure_env import TOKENS, auth_env, credentials
+from support.stub_backend import StubBackend
 
 UNKNOWN_TOKEN = "unknown-token-0123456789"
 

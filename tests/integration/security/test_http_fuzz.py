@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from support.secure_env import TOKENS, auth_env
 
 from kvtier.testing.services import Service, _start, start_store
+
+from support.secure_env import TOKENS, auth_env
 
 OPEN = {"/healthz", "/readyz", "/metrics"}
 

@@ -17,11 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from support.grpc_recorder import GrpcRecorder
-from support.helpers import RedisServer, start_redis
-from support.index_rig import NS_A, client, readyz, refused, start_index
-from support.secure_env import TOKENS, SecureStore, auth_env
-from support.vllm_fixtures import wait_for
 
 from kvtier.core.chunks import Tier
 from kvtier.core.errors import ErrorCode, KvtierError
@@ -31,6 +26,12 @@ from kvtier.index.api import Query
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.testing.services import Service, start_store
 from kvtier.tiers.cpu import CpuTier
+
+from support.grpc_recorder import GrpcRecorder
+from support.helpers import RedisServer, start_redis
+from support.index_rig import NS_A, client, readyz, refused, start_index
+from support.secure_env import TOKENS, SecureStore, auth_env
+from support.vllm_fixtures import wait_for
 
 DEADLINE = 60.0  # generous: the machine may be busy; nothing here asserts how fast
 CHUNK = 4096

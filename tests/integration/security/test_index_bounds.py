@@ -8,14 +8,15 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from support.index_rig import client, namespace, refused, rss_bytes, start_index, threads
-from support.vllm_fixtures import wait_for
 
 from kvtier.core.errors import ErrorCode
 from kvtier.index.api import LocationKind, Registration
 from kvtier.index.proto import index_pb2 as pb
 from kvtier.testing.ports import free_port
 from kvtier.testing.services import Service
+
+from support.index_rig import client, namespace, refused, rss_bytes, start_index, threads
+from support.vllm_fixtures import wait_for
 
 MAX_FOLLOWERS = 10
 MAX_NAMESPACES = 40

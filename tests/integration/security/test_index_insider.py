@@ -16,6 +16,16 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+
+from kvtier.core.chunks import Tier
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import prompt_keys
+from kvtier.index.api import ChunkOp, LocationKind, Query, Registration
+from kvtier.index.ingest.vllm_wire import BlockStored
+from kvtier.store.api.events import EventKind
+from kvtier.testing.ports import free_port
+from kvtier.testing.services import Service
+
 from support.grpc_recorder import GrpcRecorder
 from support.helpers import RedisServer
 from support.index_rig import (
@@ -29,15 +39,6 @@ from support.index_rig import (
 )
 from support.secure_env import SALTS, TOKENS, SecureStore, auth_env, credentials
 from support.vllm_fixtures import FaultyPublisher, wait_for
-
-from kvtier.core.chunks import Tier
-from kvtier.core.errors import ErrorCode, KvtierError
-from kvtier.core.keys import prompt_keys
-from kvtier.index.api import ChunkOp, LocationKind, Query, Registration
-from kvtier.index.ingest.vllm_wire import BlockStored
-from kvtier.store.api.events import EventKind
-from kvtier.testing.ports import free_port
-from kvtier.testing.services import Service
 
 TOKEN_IDS = list(range(500, 500 + 4 * 16))
 KEYS = prompt_keys(NS_B, TOKEN_IDS)  # tenant b's keys of a prompt

@@ -19,11 +19,12 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from support.router_rig import metric, router_over_announced, router_url, start_router, wait_for
-from support.stub_backend import StubBackend
 
 from kvtier.core.http import HttpServer
 from kvtier.testing.services import Service
+
+from support.router_rig import metric, router_over_announced, router_url, start_router, wait_for
+from support.stub_backend import StubBackend
 
 PROMPT = list(range(1, 600))  # two full 256-token chunks: the router asks the index about them
 BODY = {"model": "stub", "prompt": PROMPT, "max_tokens": 1}

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from support.router_rig import metric, router_over_announced, router_url, start_router
-from support.stub_backend import StubBackend
 
 from kvtier.core.config.router import RouterConfig
 from kvtier.testing.services import Service
+
+from support.router_rig import metric, router_over_announced, router_url, start_router
+from support.stub_backend import StubBackend
 
 
 @dataclass

@@ -12,6 +12,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from kvtier.core.rpc import ClientAuth
+from kvtier.index.api import LocationKind, Registration
+from kvtier.index.client.grpc import GrpcIndexClient
+from kvtier.testing.services import Service
+
 from support.certs import certificates
 from support.router_rig import (
     CLIENT_TOKEN,
@@ -25,11 +31,6 @@ from support.router_rig import (
 )
 from support.secure_env import TOKENS, auth_env
 from support.stub_backend import StubBackend
-
-from kvtier.core.rpc import ClientAuth
-from kvtier.index.api import LocationKind, Registration
-from kvtier.index.client.grpc import GrpcIndexClient
-from kvtier.testing.services import Service
 
 BODY = {"model": "stub", "prompt": [1, 2, 3, 4], "max_tokens": 1}
 CLIENT = {"Authorization": f"Bearer {CLIENT_TOKEN}"}

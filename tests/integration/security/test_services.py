@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 import typer
-from support.certs import certificates
-from support.secure_env import TOKENS, auth_env
 
 from kvtier.core.config.auth import TlsConfig
 from kvtier.core.errors import ErrorCode, KvtierError
@@ -26,6 +24,9 @@ from kvtier.index.api import LocationKind, Registration
 from kvtier.index.client.grpc import GrpcIndexClient
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.testing.services import Service, _start, kvtier_argv, start_store
+
+from support.certs import certificates
+from support.secure_env import TOKENS, auth_env
 
 
 def _serve(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -11,8 +11,6 @@ import urllib.request
 
 import grpc
 import pytest
-from support.secure_env import SALTS, TOKENS, SecureStore
-from support.secure_store import CHUNK, client, namespace, put_chunks
 
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import salt_digest
@@ -22,6 +20,9 @@ from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
 from kvtier.store.server.grpc import STORE_PERMISSIONS
 from kvtier.tiers.cpu import CpuTier
+
+from support.secure_env import SALTS, TOKENS, SecureStore
+from support.secure_store import CHUNK, client, namespace, put_chunks
 
 
 def admin_stats(store: SecureStore) -> dict:

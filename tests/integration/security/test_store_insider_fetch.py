@@ -14,10 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.grpc_recorder import GrpcRecorder
-from support.helpers import start_index_process
-from support.secure_env import TOKENS, auth_env
-from support.secure_store import namespace
 
 from kvtier.core.keys import prompt_keys
 from kvtier.core.rpc import ClientAuth
@@ -26,6 +22,11 @@ from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.testing.ports import free_port
 from kvtier.testing.services import Service, start_store
 from kvtier.tiers.cpu import CpuTier
+
+from support.grpc_recorder import GrpcRecorder
+from support.helpers import start_index_process
+from support.secure_env import TOKENS, auth_env
+from support.secure_store import namespace
 
 pytestmark = pytest.mark.remote
 

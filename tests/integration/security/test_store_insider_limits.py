@@ -10,8 +10,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.secure_env import TOKENS, SecureStore, auth_env
-from support.secure_store import CHUNK, client, namespace, put_chunks
 
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace
@@ -20,6 +18,9 @@ from kvtier.store.client import wire
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
 from kvtier.testing.services import start_store
+
+from support.secure_env import TOKENS, SecureStore, auth_env
+from support.secure_store import CHUNK, client, namespace, put_chunks
 
 MiB = 1 << 20
 

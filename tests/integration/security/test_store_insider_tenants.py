@@ -14,8 +14,6 @@ from typing import Any, NoReturn
 
 import numpy as np
 import pytest
-from support.secure_env import TOKENS, SecureStore
-from support.secure_store import CHUNK, client, namespace, put_chunks
 
 from kvtier.core.auth import Principal
 from kvtier.core.chunks import LookupStatus
@@ -28,6 +26,9 @@ from kvtier.store.api.types import AllocStatus
 from kvtier.store.node import NodeStore
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.server.grpc import StoreServicer
+
+from support.secure_env import TOKENS, SecureStore
+from support.secure_store import CHUNK, client, namespace, put_chunks
 
 
 def test_another_namespaces_keys_answer_like_absent_ones(secure_store: SecureStore) -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support.engine_rig import BLOCK, EngineRig
-
 from kvtier.connector.metadata import KvtierMetadata
 from kvtier.store.client.shm import SharedSegment
+
+from support.engine_rig import BLOCK, EngineRig
 
 PROMPT = list(range(100, 260))  # 160 tokens: five 32-token chunks, ten blocks
 

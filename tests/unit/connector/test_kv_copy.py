@@ -14,7 +14,6 @@ import threading
 
 import pytest
 import torch
-from support.kv_rig import KvRig
 
 from kvtier.bench.micro import kv_layouts
 from kvtier.connector.layout import KvGeometry
@@ -22,6 +21,8 @@ from kvtier.connector.metadata import ChunkCopy
 from kvtier.connector.paged_kv import PagedKV, PoolView, block_runs
 from kvtier.connector.streams import DeviceOrdering
 from kvtier.store.client.shm import SharedSegment
+
+from support.kv_rig import KvRig
 
 LAYERS = 3
 BLOCK_SIZE = 32

@@ -17,12 +17,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support.kv_rig import KvRig, round_trip
 
 from kvtier.bench.micro import kv_layouts
 from kvtier.connector import cuda_copy, paged_kv
 from kvtier.connector import worker as worker_module
 from kvtier.connector.paged_kv import UnsupportedLayout
+
+from support.kv_rig import KvRig, round_trip
 
 CASES = kv_layouts.cases(layers=3, kv_heads=2, head_size=8)
 

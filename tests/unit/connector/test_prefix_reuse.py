@@ -11,10 +11,11 @@ import logging
 from pathlib import Path
 
 import pytest
-from support.engine_rig import EngineRig
 
 from kvtier.connector.layout import prefix_reuse_refused
 from kvtier.testing.models import make_tiny_deepseek_v2
+
+from support.engine_rig import EngineRig
 
 
 def test_mla_on_cpu_is_refused_with_the_reason(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from support.store_core import CHUNK, NS, PAGE, FakeClock, keys, make_core, put
 
 from kvtier.core.chunks import LookupStatus
 from kvtier.core.errors import ErrorCode, KvtierError
@@ -11,6 +10,8 @@ from kvtier.core.keys import prompt_keys
 from kvtier.store.api.events import EventGap, EventKind
 from kvtier.store.api.types import AllocStatus, LeaseStatus
 from kvtier.store.state.core import StoreCore
+
+from support.store_core import CHUNK, NS, PAGE, FakeClock, keys, make_core, put
 
 
 @pytest.fixture

@@ -4,11 +4,12 @@ demotion, side-effect-free presence checks, checksums recorded for leased chunks
 from __future__ import annotations
 
 import pytest
-from support.store_core import CHUNK, NS, PAGE, FakeClock, keys, make_core, put
 
 from kvtier.core.chunks import LookupStatus
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.store.api.types import AllocStatus
+
+from support.store_core import CHUNK, NS, PAGE, FakeClock, keys, make_core, put
 
 
 def test_quarantined_pages_are_not_reused_until_the_quarantine_ends() -> None:

@@ -8,11 +8,12 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from support.trace_helpers import SHARED_TRACE, req, write_trace
 
 from kvtier.traces.analyze import analyze, analyze_file
 from kvtier.traces.capacity import capacity_curve
 from kvtier.traces.formats import read_trace
+
+from support.trace_helpers import SHARED_TRACE, req, write_trace
 
 
 @pytest.fixture(scope="module")

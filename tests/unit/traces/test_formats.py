@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from support.trace_helpers import SHARED_TRACE, req, write_trace
 
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.traces.formats import (
@@ -17,6 +16,8 @@ from kvtier.traces.formats import (
     TraceWriter,
     read_trace,
 )
+
+from support.trace_helpers import SHARED_TRACE, req, write_trace
 
 
 def test_reads_the_shared_trace_as_mooncake() -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.trace_helpers import req, write_trace
 
 from kvtier.core.errors import KvtierError
 from kvtier.traces.prompts import PromptBuilder, PromptSpec, classify, parse_classes
@@ -23,6 +22,8 @@ from kvtier.traces.replay import (
     replay_trace,
 )
 from kvtier.traces.summary import summarize
+
+from support.trace_helpers import req, write_trace
 
 # -- prompts -------------------------------------------------------------------------------
 

@@ -7,7 +7,6 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
-from support.trace_helpers import SHARED_TRACE, req, write_trace
 from typer.testing import CliRunner
 
 from kvtier.cli import app
@@ -16,6 +15,8 @@ from kvtier.traces.analyze import analyze_file
 from kvtier.traces.formats import TraceRequest, read_trace
 from kvtier.traces.sample import MIN_THINNED_GROUP, SampleOptions, sample_file
 from kvtier.traces.sessions import SessionTracker
+
+from support.trace_helpers import SHARED_TRACE, req, write_trace
 
 
 def _derived_sessions() -> dict[str, list[TraceRequest]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.trace_helpers import SHARED_TRACE, req, write_trace
 from typer.testing import CliRunner
 
 from kvtier.cli import app
@@ -16,6 +15,8 @@ from kvtier.store.state.core import StoreCore
 from kvtier.traces.formats import TraceRequest, read_trace
 from kvtier.traces.simcache import BlockCache
 from kvtier.traces.simulate import TIERS, ClusterSim, ClusterSpec, simulate, sweep_specs
+
+from support.trace_helpers import SHARED_TRACE, req, write_trace
 
 PAGE = 4096
 
