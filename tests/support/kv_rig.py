@@ -77,7 +77,11 @@ class KvRig:
             self.geometry,
             tp_rank=0,
         )
-        self.worker.register_kv_caches(self.views)
+        try:
+            self.worker.register_kv_caches(self.views)
+        except BaseException:  # a refused layout: give the segment back (64 MiB of /dev/shm)
+            self.close()
+            raise
         self._jobs = itertools.count(1)
 
     def close(self) -> None:
