@@ -10,19 +10,13 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-NOT_PRODUCT = {"tests", "scripts", "docs", "docker", "build"}
+from support.layout import ROOT, import_name, product_files
 
 
 def _package_folders() -> dict[str, Path]:
     """The product's packages by import name: the root is ``kvtier``, each folder below it
     ``kvtier.<path>``."""
-    found = {"kvtier": ROOT}
-    for init in ROOT.rglob("__init__.py"):
-        rel = init.parent.relative_to(ROOT)
-        if rel.parts and rel.parts[0] not in NOT_PRODUCT and not rel.parts[0].startswith("."):
-            found[".".join(["kvtier", *rel.parts])] = init.parent
-    return found
+    return {"kvtier": ROOT} | {import_name(p): p.parent for p in product_files("__init__.py")}
 
 
 def test_wheel_holds_the_namespace(tmp_path: Path) -> None:

@@ -11,5 +11,6 @@ multiprocessing's spawn inherit that path, so they import ``support.*`` alike.
 - ``ext_proc``: Envoy's side of the endpoint picker's ext_proc stream
 - ``secure_env``, ``secure_store``, ``certs``, ``index_rig``, ``router_rig``,
   ``grpc_recorder``: credentials, certificates and services with them (tests/integration/security)
+- ``layout``: the product's files and their import names (the layering and packaging tests)
 - ``remote_netns_driver``: run inside a network namespace by tests/integration/test_remote_netns.py
 """

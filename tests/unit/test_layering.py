@@ -19,9 +19,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.layout import import_name, product_files
+
 ROOTS = {"kvtier.cli", "kvtier.__main__", "kvtier.setup"}
-NOT_PRODUCT = {"tests", "scripts", "docs", "docker", "build"}
 CORE = "core"
 
 # Imports that break the rule on purpose, each with its reason.
@@ -35,14 +35,7 @@ EXCEPTIONS = {
 def modules() -> dict[str, Path]:
     """Every product module by its import name: the repository root is ``kvtier``, so a file's
     path is its name (``store/state/core.py`` is ``kvtier.store.state.core``)."""
-    out = {}
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT).with_suffix("")
-        if rel.parts[0] in NOT_PRODUCT or rel.parts[0].startswith(".") or "_pb2" in rel.name:
-            continue
-        parts = [p for p in rel.parts if p != "__init__"]
-        out[".".join(["kvtier", *parts])] = path
-    return out
+    return {import_name(p): p for p in product_files() if "_pb2" not in p.name}
 
 
 def layer(module: str) -> str:
