@@ -374,6 +374,12 @@ def bench_faults(
     out: Annotated[Path, typer.Option(help="folder for faults.json and faults.md")] = Path(
         "results/faults"
     ),
+    model_family: Annotated[
+        str, typer.Option(help="architecture of the tiny model: llama, gemma3-swa, ...")
+    ] = "llama",
+    tensor_parallel_size: Annotated[
+        int, typer.Option(help="TP ranks per instance (2 runs on the CPU build)")
+    ] = 1,
 ) -> None:
     """Every failure path through real vLLM instances and stores: wrong tokens, crashes."""
     from rich.table import Table
@@ -397,11 +403,23 @@ def bench_faults(
         started.append(name)
         bar.set_description(name)
 
-    results = faults.run_drills({n: DRILLS[n] for n in names}, requests, progress=progress)
+    from kvtier.testing.models import FAMILIES
+
+    if model_family not in FAMILIES:
+        raise typer.BadParameter(f"unknown model family; choose from {sorted(FAMILIES)}")
+    engine = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
+    results = faults.run_drills(
+        {n: DRILLS[n] for n in names},
+        requests,
+        progress=progress,
+        family=model_family,
+        engine_args=engine,
+    )
     bar.update(len(started) - bar.n)
     bar.close()
     rows = faults.table(results)
-    table = Table(title=f"fault drills, {requests} requests per phase")
+    layout = f", TP {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+    table = Table(title=f"fault drills, {model_family}{layout}, {requests} requests per phase")
     for col in rows[0]:
         table.add_column(col, justify="right")
     for row in rows[1:]:

@@ -4,16 +4,29 @@ vLLM stores KV in pages: one page per (layer, block) of ``block_size`` tokens, w
 depends on the platform and attention backend (CPU: K transposed then V per head; CUDA
 FlashAttention: [token, head, K|V]). kvtier treats a page as opaque bytes, so a chunk is:
 
-    chunk (kv_layout "kvtier-pages-v1"):  for layer in layers:  for block in chunk: page bytes
+    chunk (kv_layout "kvtier-pages-v2"):  for group:  for layer in group:  kept page bytes
+
+A model's layers come in KV cache groups (vLLM's hybrid memory allocator): one per attention
+kind. A chunk keeps, per group, exactly what a prefix hit at any chunk boundary needs
+(docs/keys/spec.md, "KV cache groups"):
+
+- full attention (MLA included): every block of the chunk;
+- sliding window ``w``: the chunk's last ``min(blocks_per_chunk, ceil((w - 1) / block_size))``
+  blocks, the only ones vLLM keeps (and attends to) for tokens after the boundary.
+
+Other kinds (Mamba / linear-attention state, chunked local attention, cross attention) are
+refused at start-up with the reason. A single full-attention group gives the bytes (and the
+namespace) of kvtier before groups existed.
 
 Everything that decides a page's bytes goes into the namespace's ``kv_layout`` string
-(platform, backend layout, CPU attention ISA, block size, page size), so two instances share
-chunks only if their pages are byte-compatible.
+(platform, backend layout, CPU attention ISA, block size, page size, groups), so two
+instances share chunks only if their pages are byte-compatible.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,20 +37,65 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+log = logging.getLogger(__name__)
+
+FULL = "full"
+SLIDING_WINDOW = "sliding_window"
+
 
 class UnsupportedModel(ValueError):
     pass
 
 
 @dataclass(frozen=True)
+class GroupGeometry:
+    """One KV cache group's share of a chunk: its layers and how many of each chunk's blocks
+    they keep (the trailing ``kept_blocks``)."""
+
+    kind: str  # FULL or SLIDING_WINDOW
+    layer_names: tuple[str, ...]
+    kept_blocks: int
+    window_tokens: int = 0  # sliding window, in tokens (0: full attention)
+    source: int = 0  # vLLM's index of the group (its block table in ``get_block_ids()``)
+
+    def label(self) -> str:
+        kind = FULL if self.kind == FULL else f"swa{self.window_tokens}"
+        return f"{kind}/keep{self.kept_blocks}*{len(self.layer_names)}"
+
+
+@dataclass(frozen=True)
 class KvGeometry:
-    """Chunk geometry of one instance (identical on the scheduler and every worker)."""
+    """Chunk geometry of one instance (identical on the scheduler and every worker).
+
+    ``groups`` default to one full-attention group over ``layer_names``. ``layer_names`` is
+    the chunk's layer order: group after group."""
 
     layer_names: tuple[str, ...]
     block_size: int
     page_bytes: int  # one layer's page of one block
     chunk_tokens: int
     kv_layout: str
+    groups: tuple[GroupGeometry, ...] = ()
+    # MLA: every TP rank holds the same latent KV, so one copy serves them all
+    replicated: bool = False
+    _offsets: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _layer_group: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        groups = self.groups or (GroupGeometry(FULL, self.layer_names, self.blocks_per_chunk),)
+        object.__setattr__(self, "groups", groups)
+        names = tuple(n for g in groups for n in g.layer_names)
+        if names != self.layer_names:
+            raise ValueError("layer_names must list the groups' layers, group after group")
+        offsets, layer_group, at = [], [], 0
+        for index, group in enumerate(groups):
+            for _ in group.layer_names:
+                offsets.append(at)
+                layer_group.append(index)
+                at += group.kept_blocks * self.page_bytes
+        offsets.append(at)
+        object.__setattr__(self, "_offsets", tuple(offsets))
+        object.__setattr__(self, "_layer_group", tuple(layer_group))
 
     @property
     def num_layers(self) -> int:
@@ -49,12 +107,33 @@ class KvGeometry:
 
     @property
     def layer_bytes(self) -> int:
-        """Bytes of one layer inside a chunk."""
+        """Bytes of one full-attention layer inside a chunk."""
         return self.blocks_per_chunk * self.page_bytes
 
     @property
     def chunk_bytes(self) -> int:
-        return self.num_layers * self.layer_bytes
+        return self._offsets[-1]
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer keeps every block of a chunk (one full-attention group's layout)."""
+        return all(g.kept_blocks == self.blocks_per_chunk for g in self.groups)
+
+    @property
+    def hits_on_chunk_boundaries(self) -> bool:
+        """A hit must end on a chunk boundary: some group keeps only a chunk's tail."""
+        return not self.uniform
+
+    def layer_offset(self, layer: int) -> int:
+        """Where layer ``layer``'s kept pages start inside a chunk's bytes."""
+        return self._offsets[layer]
+
+    def group_of(self, layer: int) -> int:
+        return self._layer_group[layer]
+
+    def kept_from(self, group: int) -> int:
+        """The first of a chunk's blocks that group ``group`` keeps."""
+        return self.blocks_per_chunk - self.groups[group].kept_blocks
 
 
 @dataclass(frozen=True)
@@ -72,7 +151,6 @@ class ModelIdentity:
     num_kv_heads: int
     head_size: int
     tp_size: int
-    pp_rank: int
     pp_size: int
     model_config_fp: str = ""
     weights_fp: str = ""
@@ -80,11 +158,14 @@ class ModelIdentity:
     generation: int = 0
 
     def namespace(
-        self, geometry: KvGeometry, tp_rank: int, salt_digest: str = "", lora_fp: str = ""
+        self, geometry: KvGeometry, rank: int, salt_digest: str = "", lora_fp: str = ""
     ) -> Namespace:
-        """``salt_digest``: ``kvtier.core.keys.salt_digest(request.cache_salt)``; ``lora_fp``: the
-        adapter's weights fingerprint (``AdapterFingerprints``)."""
+        """The namespace of data rank ``rank`` (``data_ranks``); ``salt_digest``:
+        ``kvtier.core.keys.salt_digest(request.cache_salt)``; ``lora_fp``: the adapter's
+        weights fingerprint (``AdapterFingerprints``)."""
         tag = self.tag if not self.generation else f"{self.tag}#gen={self.generation}"
+        per_stage = self.ranks_per_stage(geometry)
+        pp_rank, tp_rank = divmod(rank, per_stage)
         return Namespace(
             model=self.model,
             revision=self.revision,
@@ -94,8 +175,8 @@ class ModelIdentity:
             head_size=self.head_size,
             kv_layout=geometry.kv_layout,
             tp_rank=tp_rank,
-            tp_size=self.tp_size,
-            pp_rank=self.pp_rank,
+            tp_size=per_stage,  # MLA: 1, whatever the TP size (one copy serves every rank)
+            pp_rank=pp_rank,
             pp_size=self.pp_size,
             chunk_tokens=geometry.chunk_tokens,
             cache_salt=salt_digest,
@@ -104,6 +185,20 @@ class ModelIdentity:
             weights_fp=self.weights_fp,
             tag=tag,
         )
+
+    def ranks_per_stage(self, geometry: KvGeometry) -> int:
+        """TP ranks whose chunks differ: all of them, or one when the KV is replicated."""
+        return 1 if geometry.replicated else self.tp_size
+
+    def data_ranks(self, geometry: KvGeometry) -> range:
+        """The ranks whose chunks differ, pipeline stage after stage: ``pp_rank *
+        ranks_per_stage + tp_rank``. A worker reads and writes its own data rank's chunks
+        (``data_rank``); with replicated KV (MLA) every TP rank of a stage shares one."""
+        return range(self.ranks_per_stage(geometry) * self.pp_size)
+
+    def data_rank(self, geometry: KvGeometry, tp_rank: int, pp_rank: int) -> int:
+        per_stage = self.ranks_per_stage(geometry)
+        return pp_rank * per_stage + (0 if geometry.replicated else tp_rank)
 
 
 def describe(
@@ -114,29 +209,37 @@ def describe(
     weights_tag: str = "",
     fingerprint: bool = True,
 ) -> tuple[KvGeometry, ModelIdentity]:
-    """Geometry and identity of this instance's KV cache. Raises UnsupportedModel for KV
-    layouts kvtier cannot chunk (several KV cache groups: hybrid/sliding-window models,
-    context parallelism). ``fingerprint=False`` skips reading the weight files."""
+    """Geometry and identity of this instance's KV cache. Raises UnsupportedModel, with the
+    reason, for KV layouts kvtier cannot chunk (Mamba / linear-attention state, chunked local
+    attention, context parallelism, ...). ``chunk_tokens`` is rounded up to a multiple of the
+    model's block size (hybrid models get blocks of e.g. 384 tokens). ``fingerprint=False``
+    skips reading the weight files."""
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
+    sources = [
+        i
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        if getattr(g, "enable_kv_transfer", True)
+    ]
+    groups = [kv_cache_config.kv_cache_groups[i] for i in sources]
+    if not groups:
+        raise UnsupportedModel("this model has no KV cache kvtier could store")
+    specs = [_attention_spec(g.kv_cache_spec) for g in groups]
+    block_sizes = {spec.block_size for spec in specs}
+    page_sizes = {spec.page_size_bytes for spec in specs}
+    if len(block_sizes) > 1 or len(page_sizes) > 1:
         raise UnsupportedModel(
-            f"kvtier supports models with one KV cache group, this one has {len(groups)} "
-            "(hybrid or sliding-window attention)"
+            f"kvtier needs one block size and page size across KV cache groups, this model "
+            f"has block sizes {sorted(block_sizes)} and page sizes {sorted(page_sizes)}"
         )
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
-        raise UnsupportedModel(f"kvtier supports full attention only, not {type(spec).__name__}")
+    spec = specs[0]
     block_size = spec.block_size
-    if chunk_tokens % block_size:
-        # checked against the KV cache vLLM allocated, not cache_config.block_size: vLLM may
-        # size blocks otherwise (MLA kernels, hybrid models), and a chunk is whole blocks
-        raise UnsupportedModel(
-            f"chunk_tokens={chunk_tokens} must be a multiple of vLLM's block_size for this "
-            f"model's KV cache: set it to a multiple of {block_size}"
-        )
+    chunk_tokens = chunk_tokens_for(chunk_tokens, block_size)
+    blocks_per_chunk = chunk_tokens // block_size
+    group_geometry = tuple(
+        _group_geometry(g.layer_names, s, block_size, blocks_per_chunk, source)
+        for g, s, source in zip(groups, specs, sources, strict=True)
+    )
     cache = vllm_config.cache_config
     model = vllm_config.model_config
     dtype = str(spec.dtype).removeprefix("torch.")
@@ -151,14 +254,21 @@ def describe(
         f"vllm={_vllm_version()};attn={_attention_backend(vllm_config)};"
         f"arch={_device_arch(current_platform)}"
     )
+    plain = len(group_geometry) == 1 and group_geometry[0].kind == FULL
+    if not plain:  # a hybrid model's chunk holds other bytes than a pure model's
+        kv_layout += ";groups=" + ",".join(g.label() for g in group_geometry)
     geometry = KvGeometry(
-        layer_names=tuple(groups[0].layer_names),
+        layer_names=tuple(n for g in group_geometry for n in g.layer_names),
         block_size=block_size,
         page_bytes=spec.page_size_bytes,
         chunk_tokens=chunk_tokens,
         kv_layout=kv_layout,
+        groups=group_geometry,
+        replicated=bool(model.use_mla),
     )
-    check_parallelism(vllm_config.parallel_config)
+    check_parallelism(
+        vllm_config.parallel_config, getattr(model.hf_text_config, "num_hidden_layers", None)
+    )
     identity = ModelIdentity(
         model=model_id or str(model.model),
         revision=str(model.revision or ""),
@@ -166,13 +276,91 @@ def describe(
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        pp_rank=0,
-        pp_size=1,
+        pp_size=vllm_config.parallel_config.pipeline_parallel_size,
         model_config_fp=model_config_fingerprint(vllm_config),
         weights_fp=weights_fingerprint(str(model.model), model.revision) if fingerprint else "",
         tag=weights_tag,
     )
     return geometry, identity
+
+
+def chunk_tokens_for(configured: int, block_size: int) -> int:
+    """The chunk size an engine uses: the configured one, rounded up to whole blocks of this
+    model (a chunk is whole blocks; a hybrid model's blocks may be 384 or 528 tokens)."""
+    chunk = -(-configured // block_size) * block_size
+    if chunk != configured:
+        log.warning(
+            "kvtier: chunk_tokens=%d is not a multiple of this model's KV block size (%d "
+            "tokens): chunks of %d tokens are used",
+            configured,
+            block_size,
+            chunk,
+        )
+    return chunk
+
+
+def _attention_spec(spec: Any) -> Any:
+    """The one attention spec of a group, or UnsupportedModel saying why there is none."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        inner = list(spec.kv_cache_specs.values())
+        if len({(type(s), s.page_size_bytes) for s in inner}) != 1:
+            raise UnsupportedModel(
+                "kvtier needs one page size per KV cache group; this model's layers differ "
+                "within a group (UniformTypeKVCacheSpecs)"
+            )
+        spec = inner[0]
+    _group_kind(spec)  # refuses what it cannot serve
+    return spec
+
+
+def _group_kind(spec: Any) -> str:
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    name = type(spec).__name__
+    if isinstance(spec, MambaSpec):
+        raise UnsupportedModel(
+            f"kvtier does not store Mamba / linear-attention state ({name}): such a prefix "
+            "hit needs the recurrent state at the chunk boundary, which kvtier's chunks do "
+            "not hold yet. Serve this model without kvtier (vLLM's own prefix cache, "
+            "mamba_cache_mode='align', still works)."
+        )
+    if isinstance(spec, ChunkedLocalAttentionSpec) or getattr(spec, "attention_chunk_size", None):
+        raise UnsupportedModel(
+            f"kvtier does not support chunked local attention ({name}, Llama 4 geometry) "
+            "yet: serve this model without kvtier"
+        )
+    if isinstance(spec, SlidingWindowSpec):
+        if getattr(spec, "bounded_replay", False):
+            raise UnsupportedModel(f"kvtier does not support {name} with bounded replay")
+        return SLIDING_WINDOW
+    if isinstance(spec, FullAttentionSpec):
+        # With the hybrid allocator off, vLLM merges sliding-window layers into a full
+        # group that keeps every block: stored whole, like full attention.
+        return FULL
+    raise UnsupportedModel(
+        f"kvtier supports full and sliding-window attention, not {name} (this model's KV "
+        "cache group cannot be stored as pages of consecutive tokens)"
+    )
+
+
+def _group_geometry(
+    layer_names: list[str], spec: Any, block_size: int, blocks_per_chunk: int, source: int
+) -> GroupGeometry:
+    kind = _group_kind(spec)
+    if kind == FULL:
+        return GroupGeometry(FULL, tuple(layer_names), blocks_per_chunk, source=source)
+    # vLLM keeps (and a hit at a boundary needs) the blocks of the last window - 1 tokens,
+    # plus any it retains for speculative decoding (SlidingWindowManager)
+    reach = spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)
+    kept = min(blocks_per_chunk, -(-reach // block_size))
+    return GroupGeometry(SLIDING_WINDOW, tuple(layer_names), kept, spec.sliding_window, source)
 
 
 def prefix_reuse_refused(vllm_config: VllmConfig) -> str | None:
@@ -191,12 +379,25 @@ def prefix_reuse_refused(vllm_config: VllmConfig) -> str | None:
     )
 
 
-def check_parallelism(parallel: Any) -> None:
+def check_parallelism(parallel: Any, num_layers: int | None = None) -> None:
     """Refuse layouts whose blocks do not hold ``block_size`` consecutive tokens of one rank's
     heads: context parallelism (DCP/PCP) spreads a block's tokens over ranks, so a chunk key
-    would name KV that no single rank holds."""
-    if parallel.pipeline_parallel_size > 1:
-        raise UnsupportedModel("kvtier does not support pipeline parallelism yet")
+    would name KV that no single rank holds. Pipeline stages must hold equally many layers
+    (``num_layers`` over ``pipeline_parallel_size``): the scheduler sizes every stage's
+    chunks from the first stage's KV cache, as vLLM's scheduler does."""
+    pp = parallel.pipeline_parallel_size
+    if pp > 1 and num_layers is not None:
+        from vllm.distributed.utils import get_pp_indices
+
+        split = [
+            end - start for start, end in (get_pp_indices(num_layers, r, pp) for r in range(pp))
+        ]
+        if len(set(split)) > 1:
+            raise UnsupportedModel(
+                f"kvtier needs pipeline stages of equal layer counts, this model's "
+                f"{num_layers} layers split {split} over {pp} stages: choose a "
+                "pipeline_parallel_size that divides the layer count"
+            )
     dcp = getattr(parallel, "decode_context_parallel_size", 1) or 1
     pcp = getattr(parallel, "prefill_context_parallel_size", 1) or 1
     if dcp > 1 or pcp > 1:

@@ -195,7 +195,7 @@ class TierResolver:
         identity = self._identity_of()
         lora_fp = self._adapters.of(state.lora_path) if state.lora_path else ""
         ns_ids = {}
-        for rank in range(identity.tp_size):
+        for rank in identity.data_ranks(self.geometry):
             namespace = identity.namespace(self.geometry, rank, state.salt, lora_fp)
             ns_ids[rank] = self.pool.namespace_id(namespace, self.geometry.chunk_bytes)
         with state.lock:
@@ -242,6 +242,8 @@ class TierResolver:
         # the last token alone, which rounds differently from computing the block (same math,
         # other kernel tiling) - then a hit would not give exactly a recompute's logprobs.
         cap = (request.num_tokens - 1) // geo.block_size * geo.block_size
+        if geo.hits_on_chunk_boundaries:  # a sliding window's blocks are kept per chunk end
+            cap = cap // geo.chunk_tokens * geo.chunk_tokens
         end = min((first + run) * geo.chunk_tokens, cap)
         tokens = max(0, end - computed)
         self._count(C.LOOKUPS, 1)

@@ -32,13 +32,15 @@ Extent = tuple[int, int]
 
 @dataclass(frozen=True)
 class ChunkCopy:
-    """Blocks ``first_block .. first_block + len(block_ids)`` of one chunk <-> KV blocks."""
+    """Kept blocks ``first_block .. first_block + len(block_ids)`` of one KV cache group of
+    one chunk <-> that group's KV blocks (a hybrid model's chunk has one copy per group)."""
 
     extents: tuple[Extent, ...]  # the whole chunk's bytes in the segment
     checksum: int  # of the whole chunk; 0 = not known (not verified)
-    first_block: int  # index of the first copied block inside the chunk
+    first_block: int  # index of the first copied block among the group's kept blocks
     block_ids: tuple[int, ...]  # vLLM block ids receiving (load) / giving (save) the pages
     key: bytes = b""  # the chunk's key (a worker names a corrupt chunk by it)
+    group: int = 0  # the KV cache group (``KvGeometry.groups``) the blocks belong to
 
 
 @dataclass

@@ -211,7 +211,11 @@ class CopyPlan:
     direct: list[bool]
     staged_ids: list[int] = field(default_factory=list)
     kernel: cuda_copy.KernelPlan | None = None  # CUDA: the one-kernel-per-layer copy
+    by_group: dict[int, CopyPlan] | None = None  # hybrid models: each group's own plan
     _index: torch.Tensor | None = None
+
+    def for_group(self, group: int) -> CopyPlan:
+        return self if self.by_group is None else self.by_group[group]
 
     def staged_index(self, device: torch.device) -> torch.Tensor:
         """The staged block ids on the device; uploaded by the first layer's copy, on its
@@ -256,12 +260,24 @@ class PagedKV:
         self.kv_words: torch.Tensor | None = None
         if self.is_cuda and cuda_copy.available() and self.block_stride:
             self.kv_words = cuda_copy.storage_words(self.kv_flat)
-        self.use_kernel = copy_kernel and self.kv_words is not None
+        # the kernel addresses every layer at layer * layer_bytes: one full-attention layout
+        self.use_kernel = copy_kernel and self.kv_words is not None and geometry.uniform
         # CPU: numpy views of the same memory; np.copyto costs ~1 µs a call against ~10 µs
         # for torch's copy_, which matters with one call per run of blocks.
         self.host_rows = [] if self.is_cuda else [rows.numpy() for rows in self.rows]
 
     def plan(self, chunks: Sequence[ChunkCopy]) -> CopyPlan:
+        """One plan for every layer; a hybrid model's has a sub-plan per KV cache group (its
+        layers copy that group's blocks only)."""
+        if len(self.geometry.groups) == 1:
+            return self._plan(chunks)
+        by_group = {
+            g: self._plan([c for c in chunks if c.group == g])
+            for g in range(len(self.geometry.groups))
+        }
+        return CopyPlan(chunks, [], [], by_group=by_group)
+
+    def _plan(self, chunks: Sequence[ChunkCopy]) -> CopyPlan:
         runs = [block_runs(chunk.block_ids) for chunk in chunks]
         if not self.is_cuda:
             return CopyPlan(chunks, runs, [True] * len(chunks))
@@ -276,7 +292,7 @@ class PagedKV:
 
     def _start(self, layer: int, chunk: ChunkCopy) -> int:
         """Where layer ``layer``'s first copied page of ``chunk`` sits in the chunk's bytes."""
-        return layer * self.geometry.layer_bytes + chunk.first_block * self.geometry.page_bytes
+        return self.geometry.layer_offset(layer) + chunk.first_block * self.geometry.page_bytes
 
     def _by_kernel(self, plan: CopyPlan, pool: PoolView) -> bool:
         return self.use_kernel and plan.kernel is not None and pool.device_words is not None
@@ -294,6 +310,7 @@ class PagedKV:
 
     def load_layer(self, layer: int, pool: PoolView, plan: CopyPlan) -> None:
         """Copy layer ``layer`` of the plan's chunks from the pool into the KV pages."""
+        plan = plan.for_group(self.geometry.group_of(layer))
         page = self.geometry.page_bytes
         if not self.is_cuda:
             rows = self.host_rows[layer]
@@ -381,6 +398,7 @@ class PagedKV:
 
     def save_layer(self, layer: int, pool: PoolView, plan: CopyPlan) -> None:
         """Copy layer ``layer`` of the KV pages of the plan's chunks into the pool."""
+        plan = plan.for_group(self.geometry.group_of(layer))
         page = self.geometry.page_bytes
         if not self.is_cuda:
             rows = self.host_rows[layer]

@@ -37,6 +37,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 from kvtier.connector.counters import SAVE_STATUS, C, Counter
+from kvtier.connector.group_blocks import GroupBlocks, chunk_save_blocks, real_blocks
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.lookup import RequestState
 from kvtier.connector.metadata import ChunkCopy, SaveJob
@@ -58,11 +59,13 @@ class Allocation:
     state: RequestState
     start: int
     end: int
-    block_ids: tuple[int, ...]  # the chunks' blocks, blocks_per_chunk each
+    # per chunk: (KV cache group, the kept blocks it copies), as the request held them
+    chunk_blocks: list[list[tuple[int, tuple[int, ...]]]]
     prefix_blocks: frozenset[int]  # every block the chunks' KV was computed over
     future: Future[dict[int, AllocateResult]]
     deadline: float
     session_generation: int  # the store session its write leases belong to
+    step: int = 0  # the planner step that read its blocks
     dropped: bool = False
 
 
@@ -101,6 +104,9 @@ class SavePlanner:
         self._pending: dict[int, PendingSave] = {}
         self._held: set[str] = set()  # finished requests whose blocks vLLM holds for us
         self._job_ids = 1
+        self._step = 0  # plan() calls, one per engine step
+        self._block_ids_of: Callable[[str], GroupBlocks] | None = None
+        self.null_block = 0  # vLLM's null block id (set by the connector)
         self._closing = False  # shutdown: allocations not yet started allocate nothing
 
     # -- per step ----------------------------------------------------------------------------
@@ -108,16 +114,18 @@ class SavePlanner:
     def plan(
         self,
         scheduled: list[tuple[RequestState, int, int]],
-        block_ids_of: Callable[[str], list[int]],
+        block_ids_of: Callable[[str], GroupBlocks],
         preempted: set[str],
     ) -> tuple[list[SaveJob], list[str]]:
         """Saves to send with this step, and the held requests the workers may now release.
         ``scheduled``: (state, computed tokens before the step, tokens this step)."""
+        self._step += 1
         for alloc in self._waiting:
             if not alloc.dropped and alloc.state.request.request_id in preempted:
                 self._drop(alloc, C.SAVE_PREEMPTED)  # vLLM freed its blocks already
                 # nothing was copied: the request saves these chunks once it recomputes them
                 alloc.state.saved_upto = min(alloc.state.saved_upto, alloc.start)
+        self._block_ids_of = block_ids_of
         started = [self._request(*item, block_ids_of) for item in scheduled]
         fresh = [a.future for a in started if a is not None]
         if fresh:
@@ -149,7 +157,7 @@ class SavePlanner:
         state: RequestState,
         computed: int,
         count: int,
-        block_ids_of: Callable[[str], list[int]],
+        block_ids_of: Callable[[str], GroupBlocks],
     ) -> Allocation | None:
         geo = self.geometry
         request = state.request
@@ -163,17 +171,28 @@ class SavePlanner:
             return None
         state.saved_upto = end
         blocks = block_ids_of(request.request_id)
+        per_chunk = [chunk_save_blocks(geo, blocks, c, self.null_block) for c in range(start, end)]
+        # a chunk whose kept blocks a sliding window already passed is not saved, nor any
+        # before it (a hit needs a prefix): start after the last such chunk
+        for i, got in enumerate(per_chunk):
+            if got is None:
+                self._count(C.SAVE_ERRORS, 1)
+                start, per_chunk = start + i + 1, per_chunk[i + 1 :]
+        if end <= start:
+            return None
         bpc = geo.blocks_per_chunk
+        computed_over = frozenset(real_blocks(geo, blocks, 0, end * bpc, self.null_block))
         future = self._alloc.submit(self._allocate, state, start, end)
         alloc = Allocation(
             state,
             start,
             end,
-            tuple(blocks[start * bpc : end * bpc]),
-            frozenset(blocks[: end * bpc]),
+            [got for got in per_chunk if got is not None],
+            computed_over,
             future,
             time.monotonic() + self.config.save_defer_s,
             self.tier.session_generation,
+            step=self._step,
         )
         self._waiting.append(alloc)
         return alloc
@@ -210,8 +229,11 @@ class SavePlanner:
             self._count(C.SAVE_ERRORS, 1)
             self._alloc.submit(self._abort_got, alloc.future)
             return None
-        geo = self.geometry
-        bpc = geo.blocks_per_chunk
+        if alloc.step != self._step and not self._still_held(alloc):
+            # late: a sliding window passed some of its blocks (vLLM may have reused them)
+            self._count(C.SAVE_ERRORS, 1)
+            self._alloc.submit(self._abort_got, alloc.future)
+            return None
         chunks: dict[int, list[ChunkCopy]] = {}
         segments: dict[int, SegmentRef] = {}
         leases: dict[int, int] = {}
@@ -219,18 +241,21 @@ class SavePlanner:
         for rank, result in results.items():
             segment = self.tier.segment_ref(result.epoch)
             copies = []
+            copied = 0  # chunks (a hybrid model's chunk is one copy per group)
             for i, (status, loc) in enumerate(zip(result.statuses, result.locations, strict=True)):
                 self._count(SAVE_STATUS[status], 1)
                 if status is not AllocStatus.ALLOCATED or loc is None or segment is None:
                     continue
-                ids = alloc.block_ids[i * bpc : (i + 1) * bpc]
-                copies.append(ChunkCopy(loc.extents, 0, 0, ids, loc.key))
+                for group, ids in alloc.chunk_blocks[i]:
+                    copies.append(ChunkCopy(loc.extents, 0, 0, ids, loc.key, group))
+                copied += 1
             if result.lease_id and (segment is None or not copies):
                 self._alloc.submit(self._quiet_abort, result.lease_id)  # never on this thread
                 continue
             if copies and segment is not None:
                 chunks[rank], segments[rank] = copies, segment
-                leases[rank], counts[rank] = result.lease_id, len(copies)
+                leases[rank] = result.lease_id
+                counts[rank] = copied
         if not chunks:
             return None
         job = SaveJob(self._job_ids, alloc.state.request.request_id, segments, chunks)
@@ -239,6 +264,23 @@ class SavePlanner:
             job, alloc.state, alloc.start, alloc.prefix_blocks, leases, counts
         )
         return job
+
+    def _still_held(self, alloc: Allocation) -> bool:
+        """The request still holds every block the allocation copies (always true of a
+        full-attention model: its blocks stay while the request lives)."""
+        if self.geometry.uniform:
+            return True
+        if self._block_ids_of is None:
+            return False
+        try:
+            blocks = self._block_ids_of(alloc.state.request.request_id)
+        except Exception:  # finished and freed
+            return False
+        now = [
+            chunk_save_blocks(self.geometry, blocks, c, self.null_block)
+            for c in range(alloc.start, alloc.end)
+        ]
+        return now == alloc.chunk_blocks
 
     # -- worker reports ----------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.counters import HIT_TOKENS, C, Counter, Tally
+from kvtier.connector.group_blocks import GroupBlocks, UnfillableBlocks, load_blocks, real_blocks
 from kvtier.connector.layout import KvGeometry, ModelIdentity
 from kvtier.connector.lookup import LookupOutcome, RequestState, TierResolver, take_leases
 from kvtier.connector.metadata import (
@@ -129,14 +130,28 @@ class ConnectorScheduler:
         self._pending_loads: list[LoadJob] = []
         # req -> tier -> tokens of its last load (vLLM's hit stats read it at admission)
         self.hit_sources: dict[str, dict[str, int]] = {}
-        # req id -> its block ids (vLLM's KV cache manager; bound once the scheduler exists)
-        self.block_ids_of: Callable[[str], list[int]] | None = None
+        # req id -> its block ids per KV cache group (vLLM's KV cache manager; bound once the
+        # scheduler exists), and the id of vLLM's null block (a sliding window's passed blocks)
+        self.block_ids_of: Callable[[str], GroupBlocks] | None = None
+        self.null_block = 0
         # drops blocks from vLLM's prefix cache (its KV cache manager's evict_blocks)
         self.evict_device_blocks: Callable[[set[int]], None] | None = None
         # loads handed to the workers, by request, until the workers report them
         self._loading: dict[str, _Loading] = {}
         # leases of loads whose request finished while the workers were still copying
         self._release_after_load: dict[str, LookupOutcome] = {}
+
+    def bind_blocks(
+        self,
+        block_ids_of: Callable[[str], GroupBlocks],
+        null_block: int,
+        evict_device_blocks: Callable[[set[int]], None],
+    ) -> None:
+        """vLLM's KV cache manager, once its scheduler exists: a request's block ids per KV
+        cache group, the null block's id, and dropping blocks from its prefix cache."""
+        self.block_ids_of = block_ids_of
+        self.null_block = self.saves.null_block = null_block
+        self.evict_device_blocks = evict_device_blocks
 
     # -- namespaces --------------------------------------------------------------------------
 
@@ -251,7 +266,7 @@ class ConnectorScheduler:
     # -- 2. after vLLM allocated blocks ------------------------------------------------------
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: Request, block_ids: GroupBlocks, num_external_tokens: int
     ) -> None:
         state = self._known(request.request_id)
         if state is None:
@@ -292,14 +307,22 @@ class ConnectorScheduler:
                 segments[rank] = segment
         if failed:
             self._count(C.STALE_EPOCH_LOADS)
+        try:
+            chunks = self._copies(outcome, block_ids, num_external_tokens)
+        except UnfillableBlocks as exc:  # never leave a block vLLM counts as loaded unfilled
+            failed, chunks = str(exc), {}
         job = LoadJob(
             req_id=request.request_id,
             segments=segments,
-            chunks=self._copies(outcome, block_ids, num_external_tokens),
+            chunks=chunks,
             is_async=self.config.load_mode == "async",
             verify=self.config.verify_loads,
             failed=failed,
         )
+        if not chunks:
+            first = outcome.computed // geo.block_size
+            n = num_external_tokens // geo.block_size
+            job.error_block_ids = tuple(real_blocks(geo, block_ids, first, n, self.null_block))
         self._pending_loads.append(job)
         hits = _trim(outcome.sources, num_external_tokens)
         self._loading[request.request_id] = _Loading(job, outcome, hits)
@@ -309,25 +332,30 @@ class ConnectorScheduler:
         self.hit_sources[request.request_id] = dict(hits)
 
     def _copies(
-        self, outcome: LookupOutcome, block_ids: list[int], num_external_tokens: int
+        self, outcome: LookupOutcome, block_ids: GroupBlocks, num_external_tokens: int
     ) -> dict[int, list[ChunkCopy]]:
+        """Per rank, the copies filling every real block of the loaded tokens: one per chunk
+        and KV cache group, consecutive blocks together."""
         geo = self.geometry
         first_block = outcome.computed // geo.block_size
         n_blocks = num_external_tokens // geo.block_size
+        targets = load_blocks(geo, block_ids, first_block, n_blocks, self.null_block)
         out: dict[int, list[ChunkCopy]] = {}
         for rank, hits in outcome.hits.items():
             copies: list[ChunkCopy] = []
-            for b in range(first_block, first_block + n_blocks):
-                chunk, pos = divmod(b, geo.blocks_per_chunk)
-                loc = hits[chunk - outcome.first_chunk]
-                if copies and copies[-1].extents == loc.extents:
-                    last = copies[-1]
-                    copies[-1] = dataclasses.replace(
-                        last, block_ids=(*last.block_ids, block_ids[b])
-                    )
+            for group, b, within, block_id in targets:
+                loc = hits[b // geo.blocks_per_chunk - outcome.first_chunk]
+                last = copies[-1] if copies else None
+                if (
+                    last is not None
+                    and last.extents == loc.extents
+                    and last.group == group
+                    and last.first_block + len(last.block_ids) == within
+                ):
+                    copies[-1] = dataclasses.replace(last, block_ids=(*last.block_ids, block_id))
                 else:
                     copies.append(
-                        ChunkCopy(loc.extents, loc.checksum, pos, (block_ids[b],), loc.key)
+                        ChunkCopy(loc.extents, loc.checksum, within, (block_id,), loc.key, group)
                     )
             out[rank] = copies
         return out
@@ -338,13 +366,13 @@ class ConnectorScheduler:
         return max(state.lookup_for, 0) if state is not None else 0
 
     def fail_external(
-        self, req_id: str, block_ids: list[int], computed: int, num_external_tokens: int
+        self, req_id: str, block_ids: GroupBlocks, computed: int, num_external_tokens: int
     ) -> None:
         """vLLM counts ``num_external_tokens`` after ``computed`` as loaded: make every block of
         them a load error (vLLM recomputes them). Used when anything went wrong."""
         first = computed // self.geometry.block_size
         n = -(-num_external_tokens // self.geometry.block_size)
-        errors = tuple(block_ids[first : first + n])
+        errors = tuple(real_blocks(self.geometry, block_ids, first, n, self.null_block))
         job = LoadJob(req_id, {}, {}, self.config.load_mode == "async", False, "no usable load")
         job.error_block_ids = errors
         self._pending_loads.append(job)
@@ -463,10 +491,14 @@ class ConnectorScheduler:
         request with that prefix as a device hit on KV that was never there."""
         if not failed or self.block_ids_of is None or self.evict_device_blocks is None:
             return
+        if len(self.geometry.groups) > 1:
+            # hybrid models load asynchronously and fail whole requests (vLLM caches their
+            # blocks only once a load succeeded): nothing of a failed load is in its cache
+            return
         doomed = set(failed)
         for req_id in self._requests:
             try:
-                blocks = self.block_ids_of(req_id)
+                blocks = self.block_ids_of(req_id)[self.geometry.groups[0].source]
             except Exception:  # no blocks allocated (waiting)
                 continue
             first = next((i for i, b in enumerate(blocks) if b in failed), None)

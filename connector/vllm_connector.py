@@ -21,7 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -77,7 +79,11 @@ def _timed(
     return timed
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
+    """Implements ``SupportsHMA``: vLLM keeps a hybrid model's KV cache groups (full and
+    sliding-window attention) apart, and kvtier stores per group what a hit needs
+    (``layout.py``). Models kvtier cannot store are refused at start-up with the reason."""
+
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
@@ -97,6 +103,11 @@ class KvtierConnector(KVConnectorBase_V1):
             weights_tag=self.config.weights_tag,
             fingerprint=self.config.fingerprint_weights and role == KVConnectorRole.SCHEDULER,
         )
+        if len(geometry.groups) > 1 and self.config.load_mode == "sync":
+            # vLLM takes a hybrid model's load failures only per request, and only for
+            # requests waiting on an async load (block ids are per group there)
+            log.info("kvtier: hybrid KV cache groups: loads are async (load_mode: async)")
+            self.config = self.config.model_copy(update={"load_mode": "async"})
         self.scheduler: ConnectorScheduler | None = None
         self.worker: ConnectorWorker | None = None
         self.guard = HookGuard()
@@ -119,9 +130,12 @@ class KvtierConnector(KVConnectorBase_V1):
                 geometry.chunk_bytes,
             )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-            self.worker = ConnectorWorker(self.config, geometry, get_tensor_model_parallel_rank())
+            tp_rank = get_tensor_model_parallel_rank()
+            rank = identity.data_rank(geometry, tp_rank, get_pp_group().rank_in_group)
+            saves = tp_rank == 0 or not geometry.replicated
+            self.worker = ConnectorWorker(self.config, geometry, rank, saves)
 
     # ==== scheduler side =====================================================================
 
@@ -152,7 +166,7 @@ class KvtierConnector(KVConnectorBase_V1):
             endpoints["api"] = self.config.instance_api
         if events.replay_endpoint:
             endpoints["replay"] = reachable(events.replay_endpoint)
-        namespaces = tuple(identity.namespace(geometry, rank) for rank in range(identity.tp_size))
+        namespaces = tuple(identity.namespace(geometry, r) for r in identity.data_ranks(geometry))
         name = self.config.instance_id or f"vllm-{self._kv_transfer_config.engine_id}"
         try:
             node = tier.info.node_id
@@ -171,8 +185,11 @@ class KvtierConnector(KVConnectorBase_V1):
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self.scheduler is not None
-        self.scheduler.block_ids_of = lambda req_id: kv_cache_manager.get_block_ids(req_id)[0]
-        self.scheduler.evict_device_blocks = kv_cache_manager.evict_blocks
+        self.scheduler.bind_blocks(
+            kv_cache_manager.get_block_ids,
+            kv_cache_manager.block_pool.null_block.block_id,
+            kv_cache_manager.evict_blocks,
+        )
 
     @_timed
     def get_num_new_matched_tokens(
@@ -190,7 +207,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        block_ids = blocks.get_block_ids() if num_external_tokens else ()
         try:
             self.scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
         except Exception as exc:
@@ -260,6 +277,13 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception as exc:
             self._contained("request_finished", exc)
             return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The hybrid allocator's ``request_finished``: the decision does not depend on the
+        block ids (a save waiting for pool space holds every group's blocks)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def reset_cache(self) -> bool | None:
         """vLLM's reset_prefix_cache: clear an embedded store; with a shared node store,
@@ -355,6 +379,12 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         return self.worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        assert self.worker is not None
+        results.failed_recving = self.worker.take_failed_recving()
+        return results
 
     @_timed
     def get_block_ids_with_load_errors(self) -> set[int]:

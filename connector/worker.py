@@ -56,10 +56,21 @@ MAX_MAPPED_SEGMENTS = 4  # live segments kept mapped (dead ones are unmapped whe
 
 
 class ConnectorWorker:
-    def __init__(self, config: ConnectorConfig, geometry: KvGeometry, tp_rank: int) -> None:
+    def __init__(
+        self, config: ConnectorConfig, geometry: KvGeometry, rank: int, saves: bool = True
+    ) -> None:
+        """``rank``: the data rank whose chunks this worker reads and writes
+        (``ModelIdentity.data_rank``: its pipeline stage's, its TP rank's unless the KV is
+        replicated); ``saves``: False on the TP ranks other than 0 of replicated KV (MLA),
+        whose chunks rank 0 writes for every rank."""
         self.config = config
         self.geometry = geometry
-        self.rank = tp_rank
+        self.rank = rank
+        self.saves_here = saves
+        # hybrid models (several KV cache groups): vLLM takes load failures per request
+        # (block ids are per group there), so failed loads are reported by request
+        self.by_request = len(geometry.groups) > 1
+        self._failed_recving: set[str] = set()
         self.kv: PagedKV | None = None
         # mapped segments by name, least recently used first (model-runner thread only);
         # held: those this step's jobs use (by id), unmapped only once the step's copies end;
@@ -225,12 +236,12 @@ class ConnectorWorker:
             return
         self.stats.add(C.LOAD_SECONDS, time.perf_counter() - start)
         if final:
-            self.stats.add(C.LOADED_CHUNKS, len(chunks))
+            groups = self.geometry.groups
+            self.stats.add(C.LOADED_CHUNKS, len({c.key for c in chunks}))
             self.stats.add(
                 C.LOADED_BYTES,
-                sum(len(c.block_ids) for c in chunks)
-                * self.geometry.page_bytes
-                * self.geometry.num_layers,
+                sum(len(c.block_ids) * len(groups[c.group].layer_names) for c in chunks)
+                * self.geometry.page_bytes,
             )
             self._out.loaded.setdefault(job.req_id, set()).add(self.rank)
 
@@ -260,7 +271,10 @@ class ConnectorWorker:
             why,
             len(blocks),
         )
-        self._load_errors.update(blocks)
+        if self.by_request:
+            self._failed_recving.add(job.req_id)
+        else:
+            self._load_errors.update(blocks)
         self._out.error_blocks.update(blocks)
         self.stats.add(C.LOAD_ERROR_BLOCKS, len(blocks))
         self._out.load_failed.setdefault(job.req_id, set()).add(self.rank)
@@ -271,7 +285,7 @@ class ConnectorWorker:
         """Right after a layer's forward: its pages of the chunks this step completes are final,
         so copy them now (on CUDA the copy overlaps the next layers' compute)."""
         layer = self._layer_index.get(layer_name)
-        if layer is None or not meta.saves:
+        if layer is None or not meta.saves or not self.saves_here:
             return
         for job in meta.saves:
             self._save_job_layer(job, layer)
@@ -281,6 +295,10 @@ class ConnectorWorker:
         """End of the step (wait_for_save): copy the layers ``save_layer`` did not see, wait for
         the copies, report. The scheduler commits a chunk when every rank reported it."""
         self._finish_sync_loads()
+        if not self.saves_here:  # replicated KV: rank 0 saves it for every rank
+            self._held.clear()
+            self._releasing.update(meta.release_blocks)
+            return
         try:
             for job in meta.saves:
                 if not job.chunks.get(self.rank):
@@ -301,8 +319,9 @@ class ConnectorWorker:
             if job.job_id in self._failed_saves:
                 self._out.save_failed.setdefault(job.job_id, set()).add(self.rank)
             else:
-                self.stats.add(C.SAVED_CHUNKS, len(chunks))
-                self.stats.add(C.SAVED_BYTES, len(chunks) * self.geometry.chunk_bytes)
+                n = len({c.key for c in chunks})  # one copy per KV cache group
+                self.stats.add(C.SAVED_CHUNKS, n)
+                self.stats.add(C.SAVED_BYTES, n * self.geometry.chunk_bytes)
                 self._out.saved.setdefault(job.job_id, set()).add(self.rank)
         self._saved_layers.clear()
         self._failed_saves.clear()
@@ -341,6 +360,12 @@ class ConnectorWorker:
         while len(self._announced) > 65536:  # requests never held: forget the oldest
             self._announced.pop()
         return sending or None, recving or None
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose load failed (hybrid models: vLLM recomputes each from its start)."""
+        self._finish_sync_loads()
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_sync_loads()

@@ -18,6 +18,9 @@ OUT = DOCS / "vectors.json"
 FINGERPRINTS = DOCS / "fingerprint-vectors.json"
 
 
+HYBRID_PAGES = "kvtier-pages-v2;vllm;cuda;NHD;;bs32;page16384;kvdtype=auto"
+
+
 def lcg_tokens(n: int, seed: int, vocab: int) -> list[int]:
     # A fixed generator so the vectors need no randomness source to be reproduced.
     out, state = [], seed
@@ -93,6 +96,51 @@ CASES = [
             tag="step-1200",
         ),
         lcg_tokens(3 * 256 + 100, seed=42, vocab=151936),
+    ),
+    (
+        # the same tokens and model shape as the next vector: only the groups differ
+        "hybrid model (sliding window + full attention): its groups are in kv_layout",
+        Namespace(
+            model="g",
+            dtype="bfloat16",
+            num_layers=4,
+            num_kv_heads=2,
+            head_size=64,
+            kv_layout=f"{HYBRID_PAGES};groups=full/keep8*2,swa64/keep2*2",
+            chunk_tokens=256,
+        ),
+        lcg_tokens(2 * 256, seed=3, vocab=262144),
+    ),
+    (
+        "pure full-attention model, same tokens and shape",
+        Namespace(
+            model="g",
+            dtype="bfloat16",
+            num_layers=4,
+            num_kv_heads=2,
+            head_size=64,
+            kv_layout=HYBRID_PAGES,
+            chunk_tokens=256,
+        ),
+        lcg_tokens(2 * 256, seed=3, vocab=262144),
+    ),
+    (
+        # MLA's latent KV is the same on every TP rank: one namespace for every rank and TP
+        # size of a stage (tp_rank 0, tp_size 1), one per pipeline stage
+        "MLA, pipeline stage 1 of 2, any TP size",
+        Namespace(
+            model="deepseek-ai/DeepSeek-V3",
+            dtype="bfloat16",
+            num_layers=30,
+            num_kv_heads=1,
+            head_size=576,
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=1,
+            pp_size=2,
+            chunk_tokens=256,
+        ),
+        lcg_tokens(256, seed=5, vocab=129280),
     ),
 ]
 

@@ -1,4 +1,7 @@
-"""Random-weight Llama models that vLLM runs, made locally (no hub downloads).
+"""Random-weight models that vLLM runs, made locally (no hub downloads).
+
+Llama (the default), and one tiny model per architecture family kvtier's support matrix
+names (docs/connector.md): ``FAMILIES`` maps a family to its maker.
 
 ``tiny`` is what the tests use (seconds to prefill anything); ``cpu-bench`` is sized so that a
 miss at 8k tokens costs seconds on a small CPU machine, which is what the tier-latency
@@ -161,6 +164,92 @@ def make_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0) -> Path:
         dtype="float32",
     )
     return _save_scaled(DeepseekV2ForCausalLM(config), out, 512)
+
+
+def make_tiny_gemma3(out_dir: str | Path, *, sliding_window: int = 64, seed: int = 0) -> Path:
+    """A random Gemma-3 text geometry: a sliding-window layer (window ``sliding_window``
+    tokens) and a full-attention layer, i.e. two KV cache groups under vLLM's hybrid memory
+    allocator (gpt-oss and Cohere 2 have the same two kinds)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=32,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    return _save_scaled(Gemma3ForCausalLM(config), out, 512, torch.float32)
+
+
+def make_tiny_qwen3_next(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """A random Qwen3-Next geometry (bf16): a gated-delta-net linear-attention layer (Mamba
+    state, vLLM's ``MambaSpec``) beside a full-attention layer, with a small MoE. kvtier
+    refuses it at start-up: it stores no recurrent state."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    return _save_scaled(Qwen3NextForCausalLM(config), out, 512, torch.bfloat16)
+
+
+# architecture family -> (maker, what it stands for); docs/connector.md's support matrix
+FAMILIES: dict[str, tuple[Any, str]] = {
+    "llama": (make_tiny_llama, "dense full attention (Llama, Qwen, Mistral)"),
+    "gemma3-swa": (make_tiny_gemma3, "sliding window + full attention (Gemma 3, gpt-oss)"),
+    "deepseek-mla": (make_tiny_deepseek_v2, "multi-head latent attention (DeepSeek V2/V3)"),
+    "qwen3-next": (make_tiny_qwen3_next, "linear attention + full attention (Qwen3-Next)"),
+}
+
+
+def make_family_model(out_dir: str | Path, family: str) -> Path:
+    """The tiny random model of an architecture family (``FAMILIES``), written once."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose from {sorted(FAMILIES)}")
+    return FAMILIES[family][0](out_dir)
 
 
 @dataclass(frozen=True)

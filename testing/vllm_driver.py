@@ -275,21 +275,21 @@ def main(spec: dict) -> list[Any]:
         importlib.import_module(module)
     from vllm import LLM
 
-    llm = LLM(
-        model=spec["model"],
-        dtype=spec.get("dtype", "auto"),
-        block_size=spec.get("block_size", 32),
-        max_model_len=spec.get("max_model_len", 2048),
-        max_num_seqs=spec.get("max_num_seqs", 8),
-        max_num_batched_tokens=spec.get("max_num_batched_tokens"),
-        enforce_eager=True,
-        seed=0,
-        kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
-        disable_log_stats=False,
-        kv_transfer_config=spec.get("kv_transfer_config"),
-        kv_events_config=spec.get("kv_events_config"),
-        **spec.get("engine_args", {}),
-    )
+    args: dict[str, Any] = {
+        "model": spec["model"],
+        "dtype": spec.get("dtype", "auto"),
+        "block_size": spec.get("block_size", 32),
+        "max_model_len": spec.get("max_model_len", 2048),
+        "max_num_seqs": spec.get("max_num_seqs", 8),
+        "max_num_batched_tokens": spec.get("max_num_batched_tokens"),
+        "enforce_eager": True,
+        "seed": 0,
+        "kv_cache_memory_bytes": spec.get("kv_cache_bytes", 64 << 20),
+        "disable_log_stats": False,
+        "kv_transfer_config": spec.get("kv_transfer_config"),
+        "kv_events_config": spec.get("kv_events_config"),
+    }
+    llm = LLM(**(args | spec.get("engine_args", {})))  # engine_args win (e.g. enforce_eager)
     results: list[Any] = []
     timer: _ConnectorTimer | None = None
     try:

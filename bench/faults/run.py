@@ -17,6 +17,7 @@ p50 TTFT | leaked leases), writes JSON and a markdown table.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import statistics
@@ -27,10 +28,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.testing.models import make_tiny_llama, vllm_env
+from kvtier.testing.models import make_family_model, vllm_env
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
 
 CHUNK = 64  # tokens per chunk: two vLLM blocks of 32
+# families whose chunks must be longer for the drill to cover what is particular to them: a
+# 64-token sliding window keeps 2 of a 128-token chunk's 4 blocks (a chunk's tail only)
+FAMILY_CHUNK = {"gemma3-swa": 128}
 PREFIX, TAIL, SHARED = 300, 200, 256  # A = PREFIX tokens; B = A[:SHARED] + TAIL new ones
 VOCAB = (4, 500)
 HOST = "host"
@@ -72,10 +76,24 @@ class Prompts:
 class DrillContext:
     """What a drill needs: the model, a scratch directory, the reference outputs."""
 
-    def __init__(self, workdir: Path, requests: int, model: Path | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        requests: int,
+        model: Path | None = None,
+        family: str = "llama",
+        engine_args: dict | None = None,
+    ) -> None:
+        """``family``: the architecture (``kvtier.testing.models.FAMILIES``) of the tiny model
+        every drill runs; ``engine_args``: vLLM settings every instance gets (e.g.
+        ``{"tensor_parallel_size": 2}``)."""
         self.workdir = workdir
         self.requests = requests
-        self.model = model or make_tiny_llama(workdir / "tiny-llama")
+        self.family = family
+        self.chunk = FAMILY_CHUNK.get(family, CHUNK)
+        self.engine_args = engine_args or {}
+        name = "tiny-llama" if family == "llama" else f"tiny-{family}"
+        self.model = model or make_family_model(workdir / name, family)
         self.run_dir = workdir / "run"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._references: dict[tuple[str, str], dict[str, dict]] = {}
@@ -84,7 +102,12 @@ class DrillContext:
         return Prompts.make(self.requests, seed)
 
     def env(self) -> dict[str, str]:
-        return vllm_env(KVTIER_STORE__RUN_DIR=str(self.run_dir))
+        extra = {}
+        tp = int(self.engine_args.get("tensor_parallel_size", 1))
+        if tp > 1:  # vLLM's CPU build binds each rank's threads to a NUMA node by default
+            cores = os.cpu_count() or 1
+            extra["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tp))
+        return vllm_env(KVTIER_STORE__RUN_DIR=str(self.run_dir), **extra)
 
     def vllm(
         self,
@@ -96,12 +119,13 @@ class DrillContext:
     ) -> list[Any]:
         """One vLLM instance with kvtier (``extra`` = its connector config), own process;
         ``driver``: the driver's own keys (``max_num_seqs``, ``kv_cache_bytes``, ...)."""
-        config = {"chunk_tokens": CHUNK, "min_hit_tokens": {"cpu": CHUNK}} | (extra or {})
+        chunk = self.chunk
+        config = {"chunk_tokens": chunk, "min_hit_tokens": {"cpu": chunk}} | (extra or {})
         spec = {
             "model": str(model or self.model),
             "phases": phases,
             "kv_transfer_config": kvtier_transfer_config(config),
-            "engine_args": engine_args or {},
+            "engine_args": self.engine_args | (engine_args or {}),
             **driver,
         }
         return run_vllm(spec, self.env())
@@ -129,7 +153,7 @@ class DrillContext:
                 "model": tag[0],
                 "phases": [generate(todo, cache=False) | {"max_tokens": max_tokens}],
                 "kv_transfer_config": None,
-                "engine_args": engine,
+                "engine_args": self.engine_args | engine,
             }
             for prompt, out in zip(todo, run_vllm(spec, self.env())[0], strict=True):
                 known[_pkey(prompt)] = out
@@ -234,12 +258,14 @@ def run_drills(
     requests: int,
     workdir: Path | None = None,
     progress: Callable[[str], None] | None = None,
+    family: str = "llama",
+    engine_args: dict | None = None,
 ) -> list[DrillResult]:
     own = workdir is None
     root = Path(tempfile.mkdtemp(prefix="kvtier-faults-")) if own else workdir
     assert root is not None
     try:
-        context = DrillContext(root, requests)
+        context = DrillContext(root, requests, family=family, engine_args=engine_args)
         results = []
         for name, (what, drill) in drills.items():
             if progress:

@@ -258,7 +258,7 @@ def _layer_wise(
     """The forward of ``new_tokens`` tokens while the connector loads the cached ``context``
     layer by layer, against each alone; interleaved, best of ``repeat`` each."""
     ref = SegmentRef(segment.name, segment.size, 1)
-    worker = ConnectorWorker(ConnectorConfig(chunk_tokens=geo.chunk_tokens), geo, tp_rank=0)
+    worker = ConnectorWorker(ConnectorConfig(chunk_tokens=geo.chunk_tokens), geo, rank=0)
     worker.register_kv_caches(views)
     compute = LayerCompute(new_tokens, context, kv_heads, head_size)
     with_sums = [

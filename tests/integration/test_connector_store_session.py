@@ -27,7 +27,7 @@ from support.helpers import StoreProcess, start_store_process
 
 CHUNK = 64
 GEOMETRY = KvGeometry(("l0",), 32, 1024, CHUNK, "t")
-IDENTITY = ModelIdentity("m", "", "float32", 1, 1, tp_size=1, pp_rank=0, pp_size=1)
+IDENTITY = ModelIdentity("m", "", "float32", 1, 1, tp_size=1, pp_size=1)
 
 
 def _store(run_dir: Path, **env: str) -> Iterator[StoreProcess]:
@@ -73,7 +73,7 @@ def test_a_load_whose_session_ended_fails_before_the_copy(store: StoreProcess) -
     config = ConnectorConfig(chunk_tokens=CHUNK, min_hit_tokens={"cpu": CHUNK}, verify_loads=False)
     pool = connect(StoreConfig(address=store.address))
     scheduler = ConnectorScheduler(config, GEOMETRY, IDENTITY, Tiers(pool))
-    scheduler.block_ids_of = lambda req_id: list(range(64))
+    scheduler.bind_blocks(lambda req_id: (list(range(1, 65)),), 0, lambda blocks: None)
     try:
         tokens = list(range(4, 4 + 4 * CHUNK + 1))
         seed = _request("seed", tokens)
@@ -87,7 +87,7 @@ def test_a_load_whose_session_ended_fails_before_the_copy(store: StoreProcess) -
         hit = _looked_up(scheduler, request)
         assert hit[0] == 4 * CHUNK
         _freeze_past_session_timeout(store, pool)
-        scheduler.update_state_after_alloc(request, list(range(16)), hit[0])
+        scheduler.update_state_after_alloc(request, (list(range(1, 17)),), hit[0])
         meta = scheduler.build_meta([("r", 0, hit[0] + 1)])
         (job,) = meta.loads
         assert job.failed == "the store ended the session its leases belonged to"
@@ -102,11 +102,11 @@ def test_a_save_whose_session_ended_is_never_sent(store: StoreProcess) -> None:
     )
     pool = connect(StoreConfig(address=store.address))
     scheduler = ConnectorScheduler(config, GEOMETRY, IDENTITY, Tiers(pool))
-    scheduler.block_ids_of = lambda req_id: list(range(64))
+    scheduler.bind_blocks(lambda req_id: (list(range(1, 65)),), 0, lambda blocks: None)
     try:
         request = _request("r", list(range(4, 4 + 4 * CHUNK + 1)))
         _looked_up(scheduler, request)
-        scheduler.update_state_after_alloc(request, [], 0)
+        scheduler.update_state_after_alloc(request, ([],), 0)
         scheduler.saves._alloc.submit(time.sleep, 0.5)  # the allocation answers late...
         meta = scheduler.build_meta([("r", 0, 4 * CHUNK)])
         assert meta.saves == []
@@ -138,7 +138,7 @@ def test_the_granted_lease_ttl_not_the_asked_one_decides_a_load(
     )
     pool = connect(StoreConfig(address=capped_store.address))
     scheduler = ConnectorScheduler(config, GEOMETRY, IDENTITY, Tiers(pool))
-    scheduler.block_ids_of = lambda req_id: list(range(64))
+    scheduler.bind_blocks(lambda req_id: (list(range(1, 65)),), 0, lambda blocks: None)
     try:
         import numpy as np
 
@@ -151,7 +151,7 @@ def test_the_granted_lease_ttl_not_the_asked_one_decides_a_load(
         assert hit[0] == 4 * CHUNK
         assert scheduler._requests["r"].outcome.lease_ttl_s == 2.0
         time.sleep(2.5)  # the scheduler was slow: the granted lease lapsed
-        scheduler.update_state_after_alloc(request, list(range(16)), hit[0])
+        scheduler.update_state_after_alloc(request, (list(range(1, 17)),), hit[0])
         (job,) = scheduler.build_meta([("r", 0, hit[0] + 1)]).loads
         assert job.failed == "its lease lapsed (or was about to) before the copy"
     finally:

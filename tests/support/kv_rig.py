@@ -75,7 +75,7 @@ class KvRig:
         self.worker = ConnectorWorker(
             ConnectorConfig(chunk_tokens=self.geometry.chunk_tokens),
             self.geometry,
-            tp_rank=0,
+            rank=0,
         )
         try:
             self.worker.register_kv_caches(self.views)

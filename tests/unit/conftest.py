@@ -21,6 +21,16 @@ import pytest
 
 import kvtier.store.node
 
+# matplotlib builds its font cache on first use by running fc-list: a process of the
+# library's, not the test's. Built here, before any test runs (once per machine).
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.font_manager
+except ImportError:  # the core install has no matplotlib; its tests skip
+    pass
+
 RULE = "a unit test starts no process (tests/unit/conftest.py): move it to tests/integration"
 
 

@@ -2,7 +2,8 @@
 
 vLLM turns its own prefix caching off for such models (MLA on CPU: with it forced on, vLLM's
 own hits differ from a recompute there). kvtier follows: no lookups answered, nothing saved,
-and a start-up warning that says why.
+and a start-up warning that says why (MLA on CPU itself: tests/integration/test_mla_refusal.py,
+since vLLM inspects a DeepSeek model in a subprocess).
 """
 
 from __future__ import annotations
@@ -12,21 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.connector.layout import prefix_reuse_refused
-from kvtier.testing.models import make_tiny_deepseek_v2
-
 from support.engine_rig import EngineRig
-
-
-def test_mla_on_cpu_is_refused_with_the_reason(tmp_path: Path) -> None:
-    """A tiny DeepSeek-V2 (MLA) as vLLM's CPU build configures it."""
-    from vllm.config import ModelConfig, VllmConfig
-
-    model = make_tiny_deepseek_v2(tmp_path / "dsv2")
-    config = VllmConfig(model_config=ModelConfig(model=str(model), dtype="float32"))
-    assert config.model_config.use_mla
-    reason = prefix_reuse_refused(config)
-    assert reason is not None and "MLA" in reason
 
 
 def test_no_hits_and_no_saves_where_vllm_prefix_caching_is_off(

@@ -21,7 +21,7 @@ from kvtier.tiers.base import StageResult, StageStatus, StagingTier
 
 CHUNK = 64
 GEOMETRY = KvGeometry(("l0",), 32, 1024, CHUNK, "t")
-IDENTITY = ModelIdentity("m", "", "float32", 1, 1, tp_size=1, pp_rank=0, pp_size=1)
+IDENTITY = ModelIdentity("m", "", "float32", 1, 1, tp_size=1, pp_size=1)
 
 
 class FoundInPool(StagingTier):

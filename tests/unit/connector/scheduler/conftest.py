@@ -72,7 +72,7 @@ PAGE = 1024  # bytes of one layer's page of one block
 LAYERS = ("l0", "l1")
 NUM_BLOCKS = 512
 GEOMETRY = KvGeometry(LAYERS, BLOCK, PAGE, CHUNK, "unit-pages")  # a chunk: 4 KiB, one pool page
-IDENTITY = ModelIdentity("unit-model", "", "float32", 1, 1, tp_size=1, pp_rank=0, pp_size=1)
+IDENTITY = ModelIdentity("unit-model", "", "float32", 1, 1, tp_size=1, pp_size=1)
 
 Scheduled = tuple[Request, int, int]  # (request, tokens computed before the step, this step)
 
@@ -251,9 +251,8 @@ class Rig:
         self.sched = ConnectorScheduler(self.config, GEOMETRY, IDENTITY, Tiers(self.pool))
         self.evicted: set[int] = set()  # blocks the connector took out of vLLM's prefix cache
         self.blocks: dict[str, list[int]] = {}  # vLLM's block table
-        self._next_block = 0
-        self.sched.block_ids_of = lambda req_id: self.blocks[req_id]
-        self.sched.evict_device_blocks = self.evicted.update
+        self._next_block = 1  # block 0 is vLLM's null block, never a request's
+        self.sched.bind_blocks(lambda req_id: (self.blocks[req_id],), 0, self.evicted.update)
         self.kv = {name: torch.zeros((NUM_BLOCKS, PAGE), dtype=torch.uint8) for name in LAYERS}
         self.worker = ConnectorWorker(self.config, GEOMETRY, 0)
         self.worker.register_kv_caches(self.kv)
@@ -298,7 +297,7 @@ class Rig:
         """Hooks 1-2 for a waiting request vLLM finds blocks for: the tokens it counts as
         loaded."""
         hit = self.lookup(request, local_hit)
-        self.sched.update_state_after_alloc(request, self.allocate(request), hit)
+        self.sched.update_state_after_alloc(request, (self.allocate(request),), hit)
         return hit
 
     def build(self, scheduled: Sequence[Scheduled] = (), preempted: Iterable[Request] = ()):

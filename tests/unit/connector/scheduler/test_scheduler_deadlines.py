@@ -79,7 +79,7 @@ def test_a_lease_about_to_lapse_fails_the_load_before_the_copy(make_rig) -> None
     assert rig.lookup(request) == 160
     time.sleep(0.32)
     blocks = rig.allocate(request)
-    rig.sched.update_state_after_alloc(request, blocks, 160)
+    rig.sched.update_state_after_alloc(request, (blocks,), 160)
     step = rig.step([(request, 160, len(TAIL))])
     (job,) = step.meta.loads
     assert job.failed == "its lease lapsed (or was about to) before the copy"

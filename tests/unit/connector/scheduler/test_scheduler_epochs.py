@@ -24,7 +24,7 @@ def test_a_load_planned_before_a_store_restart_is_never_applied(make_rig) -> Non
     assert rig.lookup(rig.request("other", range(9000, 9100))) == 0
     assert rig.pool.epoch != old_epoch
     blocks = rig.allocate(request)
-    rig.sched.update_state_after_alloc(request, blocks, 160)
+    rig.sched.update_state_after_alloc(request, (blocks,), 160)
     step = rig.step([(request, 160, len(TAIL))])
     (job,) = step.meta.loads
     assert job.failed == "the store restarted between lookup and load"
@@ -55,7 +55,7 @@ def test_a_recompute_right_after_a_failed_load_saves_what_the_aborted_save_had(
     assert rig.lookup(request) == 160
     rig.store.restart()
     assert rig.lookup(rig.request("other", range(9000, 9100))) == 0  # the tier re-attaches
-    rig.sched.update_state_after_alloc(request, rig.allocate(request), 160)
+    rig.sched.update_state_after_alloc(request, (rig.allocate(request),), 160)
     gate = rig.store.stall("abort")
     step = rig.step([(request, 160, len(TAIL))])
     assert len(step.meta.saves) == 1 and step.invalid_block_ids  # chunk 5, then tainted
@@ -75,7 +75,7 @@ def test_a_load_sent_before_the_tier_saw_the_restart_fails_in_the_worker(make_ri
     rig.seed(PROMPT)
     request = rig.request("r", PROMPT + TAIL)
     blocks = rig.allocate(request)
-    rig.sched.update_state_after_alloc(request, blocks, rig.lookup(request))
+    rig.sched.update_state_after_alloc(request, (blocks,), rig.lookup(request))
     rig.store.restart()
     step = rig.step([(request, 160, len(TAIL))])
     (job,) = step.meta.loads
@@ -117,7 +117,7 @@ def test_a_run_leased_before_a_namespace_bump_is_never_loaded(rig) -> None:
     assert rig.sched.bump_namespace() == 1
     assert rig.lookup(request) == 0  # the old run is not this namespace's
     assert rig.read_leases() == 0  # and its lease went with it
-    rig.sched.update_state_after_alloc(request, rig.allocate(request), 0)
+    rig.sched.update_state_after_alloc(request, (rig.allocate(request),), 0)
     step = rig.step([(request, 0, request.num_tokens)], finished=[request])
     assert step.meta.loads == []
     assert rig.stored(PROMPT + TAIL) == 6  # saved again under the new namespace

@@ -64,7 +64,7 @@ def test_a_request_sharing_the_failed_blocks_saves_nothing_over_them(rig) -> Non
     assert rig.admit(r1) == 160
     r2 = rig.request("r2", PROMPT + OTHER)
     assert rig.lookup(r2, local_hit=160) == 0  # nothing stored past vLLM's own hit
-    rig.sched.update_state_after_alloc(r2, rig.allocate(r2, shared=rig.blocks["r1"][:10]), 0)
+    rig.sched.update_state_after_alloc(r2, (rig.allocate(r2, shared=rig.blocks["r1"][:10]),), 0)
     step = rig.step(
         [(r1, 160, len(EXTRA)), (r2, 160, len(OTHER))], before_workers=damage_last_chunk(rig)
     )
@@ -87,7 +87,7 @@ def test_a_request_resuming_inside_what_its_load_left_unfilled_saves_from_there(
     rig.step(preempted=[request])
     assert rig.lookup(request, local_hit=128) == 0
     blocks = rig.allocate(request, shared=rig.blocks["r"][:8])  # 128 tokens, loaded intact
-    rig.sched.update_state_after_alloc(request, blocks, 0)
+    rig.sched.update_state_after_alloc(request, (blocks,), 0)
     step = rig.step([(request, 128, request.num_tokens - 128)], finished=[request])
     (save,) = step.meta.saves
     assert [b for c in save.chunks[0] for b in c.block_ids] == blocks[8:14]  # chunks 4-6
@@ -100,7 +100,7 @@ def test_external_tokens_never_offered_become_load_errors(rig) -> None:
     request = rig.request("r", PROMPT + EXTRA)
     assert rig.lookup(request) == 0
     blocks = rig.allocate(request)
-    rig.sched.update_state_after_alloc(request, blocks, 32)
+    rig.sched.update_state_after_alloc(request, (blocks,), 32)
     step = rig.step([(request, 32, request.num_tokens - 32)])
     assert step.invalid_block_ids == set(blocks[:2])
     assert rig.lookup(request, 0) == 0

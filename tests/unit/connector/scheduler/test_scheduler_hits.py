@@ -46,7 +46,7 @@ def test_an_async_load_counts_when_reported_and_once(make_rig) -> None:
     rig.seed(PROMPT)
     request = rig.request("r", PROMPT + TAIL)
     assert rig.sched.get_num_new_matched_tokens(request, 0) == (160, True)
-    rig.sched.update_state_after_alloc(request, rig.allocate(request), 160)
+    rig.sched.update_state_after_alloc(request, (rig.allocate(request),), 160)
     step = rig.step()  # the request waits for its KV: nothing of it is scheduled
     assert step.finished_recving == {"r"}
     assert rig.counts()["cpu_hit_tokens"] == 160
@@ -59,7 +59,7 @@ def test_an_async_load_aborted_before_it_completes_is_no_hit(make_rig) -> None:
     rig.seed(PROMPT)
     request = rig.request("r", PROMPT + TAIL)
     assert rig.sched.get_num_new_matched_tokens(request, 0) == (160, True)
-    rig.sched.update_state_after_alloc(request, rig.allocate(request), 160)
+    rig.sched.update_state_after_alloc(request, (rig.allocate(request),), 160)
     meta = rig.build()  # the request waits for its KV: nothing of it is scheduled
     assert rig.finish(request) is False  # aborted while the workers copy
     step = rig.output(rig.run_workers(meta))

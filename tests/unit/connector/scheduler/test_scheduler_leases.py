@@ -47,7 +47,7 @@ def test_an_async_load_aborted_while_copying_releases_once_reported(make_rig) ->
     rig.seed(PROMPT)
     request = rig.request("r", PROMPT + TAIL)
     assert rig.sched.get_num_new_matched_tokens(request, 0) == (160, True)
-    rig.sched.update_state_after_alloc(request, rig.allocate(request), 160)
+    rig.sched.update_state_after_alloc(request, (rig.allocate(request),), 160)
     meta = rig.build()  # the request waits for its KV: nothing of it is scheduled
     assert rig.finish(request) is False  # aborted while the workers copy
     assert rig.read_leases() == 1
@@ -72,7 +72,7 @@ def test_a_hit_vllm_does_not_take_is_released_at_allocation(rig) -> None:
     rig.seed(PROMPT)
     request = rig.request("r", PROMPT + TAIL)
     assert rig.lookup(request) == 160
-    rig.sched.update_state_after_alloc(request, rig.allocate(request), 0)
+    rig.sched.update_state_after_alloc(request, (rig.allocate(request),), 0)
     assert rig.read_leases() == 0
     step = rig.step([(request, 0, request.num_tokens)])
     assert step.meta.loads == []

@@ -1,0 +1,68 @@
+"""The fault drills (``kvtier bench faults --model-family F --tensor-parallel-size N``), short,
+for each supported row of docs/connector.md's support matrix beyond dense full attention on
+one rank (tests/drills/test_fault_drills.py): 0 wrong tokens, 0 engine crashes, 0 leaked
+leases, and the fault visibly handled.
+
+- ``gemma3-swa`` (sliding window + full attention, two KV cache groups): a chunk keeps only
+  the window's tail of its blocks, loads are async, a failed load fails the whole request
+  (vLLM takes a hybrid model's load failures per request). Every prompt in flight at once
+  while every load's second chunk fails its checksum (the other drills: ``kvtier bench
+  faults --model-family gemma3-swa``).
+- ``llama`` at TP 2: rank 0's copy of a chunk is corrupt while rank 1's is sound; vLLM must
+  recompute on both ranks (it does: it takes the union of the ranks' failed blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvtier.bench.faults.drills import DRILLS
+from kvtier.bench.faults.run import DrillContext, DrillResult, Prompts
+
+pytestmark = pytest.mark.vllm
+
+REQUESTS = 2
+
+
+def context(tmp: pytest.TempPathFactory, family: str, **engine: int) -> Iterator[DrillContext]:
+    ctx = DrillContext(tmp.mktemp(family), REQUESTS, family=family, engine_args=engine)
+    yield ctx
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillContext]:
+    yield from context(tmp_path_factory, "gemma3-swa")
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillContext]:
+    yield from context(tmp_path_factory, "llama", tensor_parallel_size=2)
+
+
+def run(ctx: DrillContext, name: str) -> DrillResult:
+    _, drill = DRILLS[name]
+    result = drill(ctx)
+    assert result.engine_crashes == 0, result
+    assert result.wrong_tokens == 0, result
+    assert result.leaked_leases == 0, result
+    return result
+
+
+def test_hybrid_concurrent_requests_with_corrupt_chunks(hybrid: DrillContext) -> None:
+    prompts = Prompts.make(REQUESTS, 21)
+    hybrid.prefetch(prompts.a + prompts.b)
+    result = run(hybrid, "concurrent-failed-loads")
+    assert result.recomputes >= 1
+    assert result.hits.get("host", 0) > 0  # the phases after the fault hit what was saved
+
+
+def test_tp2_one_rank_corrupt_recomputes_on_every_rank(tp2: DrillContext) -> None:
+    result = run(tp2, "checksum-mismatch")
+    assert result.recomputes == REQUESTS
+    # the failing step's new chunks were computed over rank 0's unloaded blocks: on both
+    # ranks none is committed (a chunk commits only once every rank copied it)
+    assert result.counters["saves_discarded_after_failed_load"] >= 3 * REQUESTS
+    assert result.counters["corrupt_chunks_deleted"] == REQUESTS  # rank 0's, exactly
+    assert result.hits.get("host", 0) > 0

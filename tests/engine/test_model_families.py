@@ -1,0 +1,167 @@
+"""The model shapes of docs/connector.md's support matrix, each a tiny random model in a real
+vLLM CPU engine: hits give exactly a recompute's logprobs, or the model is refused at
+start-up with the reason.
+
+- sliding window + full attention (Gemma 3 geometry) under vLLM's hybrid memory allocator;
+- tensor parallelism 2: tests/drills/test_model_family_drills.py (its drill's phases after
+  the fault are exact TP-2 hits, compared with a TP-2 reference);
+- pipeline parallelism 2 (compiled: vLLM's CPU build fails an assertion in eager mode);
+- linear attention / Mamba state beside full attention (Qwen3-Next geometry): refused;
+- fp8 KV caches: exact, and never shared with another KV dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.testing.models import (
+    make_tiny_gemma3,
+    make_tiny_llama,
+    make_tiny_qwen3_next,
+    vllm_env,
+)
+from kvtier.testing.services import start_store
+from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
+
+pytestmark = pytest.mark.vllm
+
+HOST = "vllm:prompt_tokens_cached_by_source{source=host}"
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (no NUMA node per rank)
+
+
+def prompts(seed: int, lengths: list[int], shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(4, 500) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(4, 500) for _ in range(n - shared_prefix)] for n in lengths]
+
+
+def dram_round_trip(model: Path, batch: list[list[int]], run_dir: Path, extra: dict, **spec):
+    """Recompute (and save), reset vLLM's own cache, the same prompts from DRAM, then from
+    vLLM's own cache: (reference, DRAM, GPU outputs, counters after the DRAM pass)."""
+    phases = [
+        {"op": "generate", "prompts": batch, "prompt_logprobs": True},
+        {"op": "reset_prefix_cache"},
+        {"op": "generate", "prompts": batch},
+        {"op": "metrics"},
+        {"op": "generate", "prompts": batch},
+    ]
+    spec = {
+        "model": str(model),
+        "phases": phases,
+        "kv_transfer_config": kvtier_transfer_config(extra),
+        **spec,
+    }
+    env = vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir), **spec.pop("env", {}))
+    reference, _, dram, metrics, gpu = run_vllm(spec, env)
+    return reference, dram, gpu, metrics
+
+
+def assert_exact(reference: list[dict], got: list[dict]) -> None:
+    for ref, out in zip(reference, got, strict=True):
+        assert out["tokens"] == ref["tokens"]
+        assert out["logprobs"] == ref["logprobs"]  # bit-exact
+
+
+def test_sliding_window_hybrid_hits_are_exact(tmp_path: Path, run_dir: Path) -> None:
+    """Gemma 3 geometry (a 64-token window beside full attention) with 256-token chunks: a
+    chunk keeps all 8 full-attention blocks and the window's last 2, hits end on chunk
+    boundaries, and every DRAM and GPU hit is exact."""
+    model = make_tiny_gemma3(tmp_path / "gemma3", sliding_window=64)
+    # 300: one chunk + a partial one; 520: two chunks (a hit never takes the last block,
+    # and the window's blocks are kept per chunk end); 40: none; two sharing 270 tokens
+    batch = prompts(1, [300, 520, 40]) + prompts(2, [280, 540], shared_prefix=270)
+    extra = {"chunk_tokens": 256, "min_hit_tokens": {"cpu": 256}}
+    reference, dram, gpu, metrics = dram_round_trip(model, batch, run_dir, extra)
+    assert_exact(reference, dram)
+    assert_exact(reference, gpu)
+    assert [r["num_cached_tokens"] for r in dram] == [256, 512, 0, 256, 512]
+    # both layers' pages: 8 full-attention blocks + 2 window blocks of 8 KiB (bf16)
+    page = 32 * 2 * 32 * 2 * 2  # tokens, K+V, head_dim, kv heads, bytes
+    saved = metrics["vllm:kvtier_saved_bytes"] / metrics["vllm:kvtier_saved_chunks"]
+    assert saved == (8 + 2) * page
+    assert metrics["vllm:kvtier_load_error_blocks"] == 0
+
+
+def test_pipeline_parallel_2_hits_are_exact(tmp_path: Path, run_dir: Path) -> None:
+    """PP 2 (vLLM's CPU build runs it compiled, not eager): each stage saves and loads its
+    own layer's chunks, and a hit needs every stage's."""
+    model = make_tiny_llama(tmp_path / "llama")
+    batch = prompts(4, [300, 520])
+    extra = {"chunk_tokens": 64, "min_hit_tokens": {"cpu": 64}}
+    reference, dram, gpu, metrics = dram_round_trip(
+        model,
+        batch,
+        run_dir,
+        extra,
+        engine_args={"pipeline_parallel_size": 2, "enforce_eager": False},
+        env=TP2_ENV,
+    )
+    assert_exact(reference, dram)
+    assert_exact(reference, gpu)
+    assert [r["num_cached_tokens"] for r in dram] == [256, 512]
+    assert metrics["vllm:kvtier_committed_chunks"] == 2 * (4 + 8)  # one per stage each
+    assert metrics[HOST] == 256 + 512
+
+
+def test_a_mamba_hybrid_is_refused_at_start_with_the_reason(tmp_path: Path, run_dir: Path) -> None:
+    """Qwen3-Next geometry: vLLM keeps its Mamba group apart (kvtier implements SupportsHMA)
+    and kvtier stops the engine naming what it cannot store and why, instead of vLLM's
+    "Failed to promote local KV cache specs" it met before."""
+    model = make_tiny_qwen3_next(tmp_path / "qwen3-next")
+    spec = {
+        "model": str(model),
+        "phases": [],
+        "kv_transfer_config": kvtier_transfer_config({"chunk_tokens": 256}),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.testing.vllm_driver"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir)),
+    )
+    assert proc.returncode != 0
+    assert "kvtier does not store Mamba / linear-attention state (MambaSpec)" in proc.stderr
+
+
+def test_fp8_kv_cache_hits_are_exact_and_never_shared_with_another_dtype(
+    tmp_path: Path, run_dir: Path
+) -> None:
+    """vLLM's CPU build runs fp8 KV caches (``kv_cache_dtype`` fp8 / fp8_e5m2; 1 byte per
+    element). The KV dtype is in the namespace (``dtype`` and ``kv_layout``'s ``kvdtype``):
+    fp8 hits are exact, and an instance with another KV dtype on the same node store finds
+    none of them (same prompts, same model)."""
+    model = make_tiny_llama(tmp_path / "llama")
+    store = start_store(run_dir, "256MiB", "fp8-node", remote=False)
+    try:
+        batch = prompts(5, [300, 520])
+        extra = {"chunk_tokens": 64, "min_hit_tokens": {"cpu": 64}, "store_address": store.address}
+        reference, dram, gpu, metrics = dram_round_trip(
+            model, batch, run_dir, extra, engine_args={"kv_cache_dtype": "fp8"}
+        )
+        assert_exact(reference, dram)
+        assert_exact(reference, gpu)
+        assert metrics[HOST] == 256 + 512
+        page = 32 * 2 * 32 * 2 * 1  # tokens, K+V, head_dim, kv heads, 1 byte
+        saved = metrics["vllm:kvtier_saved_bytes"] / metrics["vllm:kvtier_saved_chunks"]
+        assert saved == 2 * 2 * page  # 2 layers x 2 blocks
+        # the other fp8 format: pages of the same size, other bytes (bf16's differ in size too)
+        for other in ("fp8_e5m2",):
+            spec = {
+                "model": str(model),
+                "phases": [{"op": "generate", "prompts": batch}, {"op": "metrics"}],
+                "kv_transfer_config": kvtier_transfer_config(extra),
+                "engine_args": {"kv_cache_dtype": other},
+            }
+            _, counters = run_vllm(spec, vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir)))
+            assert counters.get(HOST, 0) == 0, other
+            assert counters["vllm:kvtier_committed_chunks"] == 4 + 8, other  # its own
+    finally:
+        store.stop()

@@ -1,0 +1,21 @@
+"""MLA on vLLM's CPU build: vLLM turns its own prefix caching off (its cached-prefix path is
+not exact there), so kvtier serves no hits for it and says why at start-up. An integration
+test because vLLM inspects a DeepSeek architecture in a subprocess."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier.connector.layout import prefix_reuse_refused
+from kvtier.testing.models import make_tiny_deepseek_v2
+
+
+def test_mla_on_cpu_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """A tiny DeepSeek-V2 (MLA) as vLLM's CPU build configures it."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    model = make_tiny_deepseek_v2(tmp_path / "dsv2")
+    config = VllmConfig(model_config=ModelConfig(model=str(model), dtype="float32"))
+    assert config.model_config.use_mla
+    reason = prefix_reuse_refused(config)
+    assert reason is not None and "MLA" in reason
