@@ -257,3 +257,71 @@ def test_control_without_the_layer_events_attention_reads_torn_pages(
         assert not read_loaded
     finally:
         rig.close()
+
+
+@pytest.mark.parametrize("path", ["memcpy-staged", "memcpy-direct", "torch-copy"])
+def test_a_hybrid_chunk_round_trips_group_by_group(
+    path: str, compute: torch.cuda.Stream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two KV cache groups (full attention keeping a chunk's 4 blocks, a sliding window
+    keeping its last 2): each layer copies its own group's blocks to its own place in the
+    chunk, on the copy engine (the kernel path is for one full-attention layout only)."""
+    import os
+
+    from kvtier.connector.layout import FULL, SLIDING_WINDOW, GroupGeometry, KvGeometry
+    from kvtier.connector.metadata import ChunkCopy
+    from kvtier.store.client.shm import SharedSegment
+
+    shape = (64, 2, 4, 32, 128)  # blocks, K|V, heads, tokens, head_size
+    page = 2 * 4 * 32 * 128 * 2
+    groups = (
+        GroupGeometry(FULL, ("f0", "f1"), 4, source=0),
+        GroupGeometry(SLIDING_WINDOW, ("w0",), 2, 64, source=1),
+    )
+    geo = KvGeometry(("f0", "f1", "w0"), 32, page, 128, "t", groups)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    source = {
+        n: torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for n in geo.layer_names
+    }
+    target = {n: torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for n in geo.layer_names}
+    segment = SharedSegment.create(f"kvtier-test-gpu-groups-{os.getpid()}", 8 << 20)
+    pool = paged_kv.PoolView(segment, pin=True)
+    try:
+        saver, loader = paged_kv.PagedKV(source, geo), paged_kv.PagedKV(target, geo)
+        for paged in (saver, loader):
+            paged.use_kernel = False
+            if path == "torch-copy":
+                paged.memcpy = cuda_copy.Memcpy(runtime=False)
+        direct = 1 << 40 if path.endswith("staged") else page
+        monkeypatch.setattr(paged_kv, "DIRECT_MIN_BYTES", direct)
+        extents = ((1 << 20, geo.chunk_bytes),)
+        saves = [
+            ChunkCopy(extents, 0, 0, (1, 2, 3, 4), b"k", 0),
+            ChunkCopy(extents, 0, 0, (9, 8), b"k", 1),
+        ]
+        saver.bind_compute()
+        plan = saver.plan(saves)
+        for layer in range(geo.num_layers):
+            saver.save_layer(layer, pool, plan)
+        saver.finish_saves()
+        loads = [
+            ChunkCopy(extents, 0, 0, (11, 12, 13, 14), b"k", 0),
+            ChunkCopy(extents, 0, 0, (20, 21), b"k", 1),
+        ]
+        loader.bind_compute()
+        plan = loader.plan(loads)
+        for layer in range(geo.num_layers):
+            loader.load_layer(layer, pool, plan)
+            loader.wait_layer(layer)
+        loader.finish_loads()
+        torch.cuda.synchronize()
+        for name in ("f0", "f1"):
+            assert torch.equal(target[name][11:15], source[name][1:5])
+        assert torch.equal(target["w0"][20], source["w0"][9])
+        assert torch.equal(target["w0"][21], source["w0"][8])
+        assert not target["f0"][20:22].any() and not target["w0"][11:15].any()
+    finally:
+        pool.close()
+        segment.close()
+        segment.unlink()
