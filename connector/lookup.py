@@ -30,7 +30,7 @@ from kvtier.connector.layout import KvGeometry, ModelIdentity
 from kvtier.core.chunks import ChunkLocation
 from kvtier.core.config.connector import ConnectorConfig
 from kvtier.core.errors import ErrorCode, KvtierError
-from kvtier.core.keys import PromptKeyer, salt_digest
+from kvtier.core.keys import MediaItem, PromptKeyer, salt_digest
 from kvtier.tiers import Tiers
 
 if TYPE_CHECKING:
@@ -51,11 +51,17 @@ def inputs_of(request: Request) -> tuple[int, int, bool]:
 
 
 def cacheable(request: Request) -> bool:
-    """Token ids alone determine the KV (no multimodal items, no prompt embeddings)."""
-    return (
-        request.prompt_token_ids is not None
-        and not request.mm_features
-        and getattr(request, "prompt_embeds", None) is None
+    """Token ids and multimodal items' identities determine the KV (not prompt embeddings)."""
+    return request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+
+
+def media_of(request: Request) -> tuple[MediaItem, ...]:
+    """The request's multimodal items, as chunk keys name them (``core/keys.py``): a chunk
+    overlapping an item's placeholders is keyed by the item too, as vLLM's own prefix cache
+    keys its blocks, so two images at the same placeholder positions never share KV."""
+    return tuple(
+        MediaItem(f.mm_position.offset, f.mm_position.length, str(f.identifier))
+        for f in request.mm_features or ()
     )
 
 
@@ -166,7 +172,7 @@ class RequestState:
             keyer = self.keyers[rank]
             if len(keyer.keys) < upto_chunks:
                 tokens: Any = self.request.all_token_ids
-                keyer.extend(tokens[: upto_chunks * chunk_tokens])
+                keyer.extend(tokens[: upto_chunks * chunk_tokens], media_of(self.request))
             return keyer.keys[:upto_chunks]
 
 

@@ -20,6 +20,7 @@ import array
 import hashlib
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -162,16 +163,51 @@ def _token_bytes(tokens: Sequence[int] | Any) -> memoryview:
     return memoryview(packed).cast("B")
 
 
+@dataclass(frozen=True)
+class MediaItem:
+    """A multimodal item of a prompt (an image, an audio clip): the placeholder tokens it
+    occupies, ``[offset, offset + length)``, and what it is (vLLM's ``mm_feature.identifier``:
+    a digest of the item's content, or the uuid the client gave it)."""
+
+    offset: int
+    length: int
+    identifier: str
+
+
+MEDIA_TAG = b"kvtier/mm/v1\n"
+
+
+def media_extra(items: Sequence[MediaItem], start: int, end: int) -> bytes:
+    """What chunk ``[start, end)`` adds to its key for the items whose placeholders it
+    overlaps: nothing without any (text keys stay spec 3's), else ``MEDIA_TAG`` and, per
+    item by offset, ``"{offset} {length} {n}:{identifier}\n"`` (``n``: the identifier's UTF-8
+    byte count, so no identifier can end another's line)."""
+    touching = sorted(
+        (i for i in items if i.offset < end and i.offset + i.length > start),
+        key=lambda i: (i.offset, i.length, i.identifier),
+    )
+    if not touching:
+        return b""
+    out = bytearray(MEDIA_TAG)
+    for item in touching:
+        ident = item.identifier.encode()
+        out += f"{item.offset} {item.length} {len(ident)}:".encode() + ident + b"\n"
+    return bytes(out)
+
+
 def chunk_keys(
     parent: ChunkKey,
     tokens: Sequence[int] | Any,
     chunk_tokens: int,
     max_chunks: int | None = None,
+    media: Sequence[MediaItem] = (),
+    first_chunk: int = 0,
 ) -> list[ChunkKey]:
     """Keys of the full chunks of ``tokens``, chained from ``parent``.
 
     ``parent`` is the namespace root for a prompt's first chunk, or the key of the chunk just
-    before ``tokens`` to continue a chain. A trailing partial chunk gets no key.
+    before ``tokens`` to continue a chain (``first_chunk``: that chunk's index + 1, which
+    places ``media``'s offsets). A trailing partial chunk gets no key.
     """
     if len(parent) != KEY_BYTES:
         raise ValueError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
@@ -187,18 +223,23 @@ def chunk_keys(
     keys: list[ChunkKey] = []
     prev = parent
     sha256 = hashlib.sha256
-    for off in range(0, n_chunks * step, step):
+    for index, off in enumerate(range(0, n_chunks * step, step)):
         # update() instead of ``prev + chunk``: no copy of the chunk (measured ~5 % faster)
         h = sha256(prev)
         h.update(data[off : off + step])
+        if media:
+            start = (first_chunk + index) * chunk_tokens
+            h.update(media_extra(media, start, start + chunk_tokens))
         prev = h.digest()[:KEY_BYTES]
         keys.append(prev)
     return keys
 
 
-def prompt_keys(namespace: Namespace, tokens: Sequence[int] | Any) -> list[ChunkKey]:
-    """Keys of every full chunk of a prompt in ``namespace``."""
-    return chunk_keys(namespace.root_key(), tokens, namespace.chunk_tokens)
+def prompt_keys(
+    namespace: Namespace, tokens: Sequence[int] | Any, media: Sequence[MediaItem] = ()
+) -> list[ChunkKey]:
+    """Keys of every full chunk of a prompt (and its multimodal items) in ``namespace``."""
+    return chunk_keys(namespace.root_key(), tokens, namespace.chunk_tokens, media=media)
 
 
 class PromptKeyer:
@@ -212,12 +253,17 @@ class PromptKeyer:
         self._chunk_tokens = chunk_tokens
         self.keys: list[ChunkKey] = []
 
-    def extend(self, tokens: Sequence[int] | Any) -> list[ChunkKey]:
-        """Keys for all full chunks of ``tokens`` (the whole prompt so far, not a delta)."""
+    def extend(
+        self, tokens: Sequence[int] | Any, media: Sequence[MediaItem] = ()
+    ) -> list[ChunkKey]:
+        """Keys for all full chunks of ``tokens`` (the whole prompt so far, not a delta) and
+        its multimodal items."""
         done = len(self.keys)
         start = done * self._chunk_tokens
         parent = self.keys[-1] if self.keys else self._root
-        self.keys += chunk_keys(parent, tokens[start:], self._chunk_tokens)
+        self.keys += chunk_keys(
+            parent, tokens[start:], self._chunk_tokens, media=media, first_chunk=done
+        )
         return self.keys
 
     def truncate(self, chunks: int) -> None:

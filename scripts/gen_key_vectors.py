@@ -7,11 +7,12 @@ chain step's input (16 + 4 * chunk_tokens bytes) on SHA-256's padding edges, for
 implementations that write their own SHA-256.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
 from kvtier.connector.fingerprint import config_fingerprint
-from kvtier.core.keys import Namespace, prompt_keys, salt_digest
+from kvtier.core.keys import MediaItem, Namespace, prompt_keys, salt_digest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "keys"
 OUT = DOCS / "vectors.json"
@@ -144,6 +145,31 @@ CASES = [
     ),
 ]
 
+SMALL = Namespace(
+    model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=4
+)
+# (name, namespace, tokens, multimodal items): keys of chunks over an item's placeholders
+MEDIA_CASES = [
+    (
+        "an image's placeholders (5-10) key chunks 1 and 2 by the image",
+        SMALL,
+        [7] * 16,
+        [MediaItem(5, 6, "image-a")],
+    ),
+    (
+        "another image at the same positions: chunk 0 shared, chunks 1-3 not",
+        SMALL,
+        [7] * 16,
+        [MediaItem(5, 6, "image-b")],
+    ),
+    (
+        "two items in one chunk, a UTF-8 identifier with a line break",
+        SMALL,
+        [7] * 8,
+        [MediaItem(1, 1, "a"), MediaItem(2, 1, "\u65e5\u672c\nx")],
+    ),
+]
+
 SALTS = ["", "tenant-b", "tenant\nb\u00e9", "\U0001f510 key with spaces"]
 CONFIGS = [
     {},
@@ -163,6 +189,18 @@ def main() -> None:
                 "root": ns.root_key().hex(),
                 "tokens": tokens,
                 "keys": [k.hex() for k in prompt_keys(ns, tokens)],
+            }
+        )
+    for name, ns, tokens, media in MEDIA_CASES:
+        vectors.append(
+            {
+                "name": name,
+                "namespace": ns.model_dump(),
+                "canonical": ns.canonical_bytes().decode(),
+                "root": ns.root_key().hex(),
+                "tokens": tokens,
+                "media": [dataclasses.asdict(m) for m in media],
+                "keys": [k.hex() for k in prompt_keys(ns, tokens, media)],
             }
         )
     body = ",\n".join(json.dumps(v) for v in vectors)

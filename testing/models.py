@@ -58,6 +58,18 @@ PRESETS: dict[str, dict] = {
         "head_dim": 64,
         "max_positions": 16384,
     },
+    # cpu-bench's size as a Gemma-3 hybrid: 2 sliding-window layers (1024 tokens) + 2 full
+    "cpu-bench-swa": {
+        "family": "gemma3-swa",
+        "vocab_size": 4096,
+        "hidden_size": 512,
+        "num_layers": 4,
+        "num_heads": 8,
+        "num_kv_heads": 4,
+        "head_dim": 64,
+        "max_positions": 16384,
+        "sliding_window": 1024,
+    },
 }
 
 
@@ -65,7 +77,10 @@ def make_model(out_dir: str | Path, preset: str = "tiny") -> Path:
     """A random model of a named preset (written once; reused if already there)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose from {sorted(PRESETS)}")
-    return make_tiny_llama(out_dir, **PRESETS[preset])
+    sizes = dict(PRESETS[preset])
+    if sizes.pop("family", "llama") == "gemma3-swa":
+        return make_tiny_gemma3(out_dir, **sizes)
+    return make_tiny_llama(out_dir, **sizes)
 
 
 def make_tiny_llama(
@@ -166,10 +181,22 @@ def make_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0) -> Path:
     return _save_scaled(DeepseekV2ForCausalLM(config), out, 512)
 
 
-def make_tiny_gemma3(out_dir: str | Path, *, sliding_window: int = 64, seed: int = 0) -> Path:
-    """A random Gemma-3 text geometry: a sliding-window layer (window ``sliding_window``
-    tokens) and a full-attention layer, i.e. two KV cache groups under vLLM's hybrid memory
-    allocator (gpt-oss and Cohere 2 have the same two kinds)."""
+def make_tiny_gemma3(
+    out_dir: str | Path,
+    *,
+    sliding_window: int = 64,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """A random Gemma-3 text geometry: sliding-window layers (window ``sliding_window``
+    tokens) alternating with full-attention ones, i.e. two KV cache groups under vLLM's
+    hybrid memory allocator (gpt-oss and Cohere 2 have the same two kinds)."""
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -178,24 +205,24 @@ def make_tiny_gemma3(out_dir: str | Path, *, sliding_window: int = 64, seed: int
         return out
     torch.manual_seed(seed)
     config = Gemma3TextConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
         sliding_window=sliding_window,
-        layer_types=["sliding_attention", "full_attention"],
-        query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+        query_pre_attn_scalar=head_dim,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,
         tie_word_embeddings=True,
         dtype="float32",
     )
-    return _save_scaled(Gemma3ForCausalLM(config), out, 512, torch.float32)
+    return _save_scaled(Gemma3ForCausalLM(config), out, vocab_size, torch.float32)
 
 
 def make_tiny_qwen3_next(out_dir: str | Path, *, seed: int = 0) -> Path:

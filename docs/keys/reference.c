@@ -1,12 +1,14 @@
 /*
  * Reference implementation of kvtier's chunk keys (docs/keys/spec.md, spec 3) in C,
- * independent of the Python code: tests/test_keys.py compiles it and checks it against
+ * independent of the Python code: tests/integration/test_keys_elsewhere.py compiles it and checks it against
  * docs/keys/vectors.json. SHA-256 (FIPS 180-4) is written out below, so it needs no library.
  *
  * Build: cc -O2 -o chunk_keys reference.c
  * Input (stdin):  line 1: chunk_tokens
  *                 line 2: the namespace's canonical bytes, hex-encoded
- *                 line 3: token ids, space-separated (may be empty)
+ *                 line 3: multimodal items: their count, then per item (by offset)
+ *                         "offset length identifier" with the identifier's UTF-8 hex-encoded
+ *                 line 4: token ids, space-separated (may be empty)
  * Output:         the root key, then one key per full chunk, as lowercase hex, one per line.
  *                 A key is the first 16 bytes of a SHA-256 digest.
  */
@@ -16,6 +18,7 @@
 #include <string.h>
 
 static const char DOMAIN[] = "kvtier/ns/v3\n";
+static const char MEDIA_TAG[] = "kvtier/mm/v1\n";
 #define KEY_BYTES 16
 
 /* ---- SHA-256, FIPS 180-4 (plain, portable, not constant-time: inputs are not secret) ---- */
@@ -105,11 +108,31 @@ int main(void) {
     key_hash(prev, root_input, dom_len + ns_len);
     print_key(prev);
 
-    /* chain: key_i = SHA-256(key_{i-1} || u32le tokens of chunk i)[:16] */
+    /* multimodal items: a count, then per item "offset length identifier-as-hex", listed
+       by offset (the spec's order) */
+    long n_media;
+    if (scanf("%ld", &n_media) != 1 || n_media < 0 || n_media > 64) return 2;
+    long media_offset[64], media_length[64];
+    static unsigned char media_id[64][256];
+    size_t media_id_len[64];
+    size_t extra_max = sizeof(MEDIA_TAG);
+    for (long m = 0; m < n_media; m++) {
+        static char id_hex[513];
+        if (scanf("%ld %ld %512s", &media_offset[m], &media_length[m], id_hex) != 3) return 2;
+        media_id_len[m] = strlen(id_hex) / 2;
+        for (size_t i = 0; i < media_id_len[m]; i++) {
+            unsigned int byte;
+            if (sscanf(id_hex + 2 * i, "%2x", &byte) != 1) return 2;
+            media_id[m][i] = (unsigned char)byte;
+        }
+        extra_max += 64 + media_id_len[m];
+    }
+
+    /* chain: key_i = SHA-256(key_{i-1} || u32le tokens of chunk i || media extra of i)[:16] */
     size_t chunk_bytes = KEY_BYTES + 4 * (size_t)chunk_tokens;
-    unsigned char *buf = malloc(chunk_bytes);
+    unsigned char *buf = malloc(chunk_bytes + extra_max);
     if (!buf) return 3;
-    long filled = 0;
+    long filled = 0, chunk = 0;
     unsigned long long token;
     while (scanf("%llu", &token) == 1) {
         if (token > 0xffffffffULL) return 2; /* ids must be in [0, 2^32) */
@@ -118,9 +141,27 @@ int main(void) {
         p[2] = (token >> 16) & 0xff; p[3] = (token >> 24) & 0xff;
         if (++filled == chunk_tokens) {
             memcpy(buf, prev, KEY_BYTES);
-            key_hash(prev, buf, chunk_bytes);
+            /* the items whose placeholders overlap [start, end): none adds nothing */
+            size_t len = chunk_bytes;
+            long start = chunk * chunk_tokens, end = start + chunk_tokens;
+            int tagged = 0;
+            for (long m = 0; m < n_media; m++) {
+                if (media_offset[m] >= end || media_offset[m] + media_length[m] <= start) continue;
+                if (!tagged) {
+                    memcpy(buf + len, MEDIA_TAG, sizeof(MEDIA_TAG) - 1);
+                    len += sizeof(MEDIA_TAG) - 1;
+                    tagged = 1;
+                }
+                len += (size_t)sprintf((char *)buf + len, "%ld %ld %zu:", media_offset[m],
+                                       media_length[m], media_id_len[m]);
+                memcpy(buf + len, media_id[m], media_id_len[m]);
+                len += media_id_len[m];
+                buf[len++] = '\n';
+            }
+            key_hash(prev, buf, len);
             print_key(prev);
             filled = 0;
+            chunk++;
         }
     }
     free(buf);

@@ -22,9 +22,14 @@ def test_c_reference_implementation_agrees(tmp_path: Path) -> None:
     binary = tmp_path / "chunk_keys"
     subprocess.run([cc, "-O2", "-o", str(binary), str(DOCS / "reference.c")], check=True)
     for vector in VECTORS:
+        media = vector.get("media", [])
+        items = " ".join(
+            f"{m['offset']} {m['length']} {m['identifier'].encode().hex()}" for m in media
+        )
         stdin = (
             f"{vector['namespace']['chunk_tokens']}\n"
             f"{vector['canonical'].encode().hex()}\n"
+            f"{len(media)} {items}\n"
             f"{' '.join(map(str, vector['tokens']))}\n"
         )
         out = subprocess.run(

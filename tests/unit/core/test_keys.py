@@ -14,6 +14,7 @@ import pytest
 from kvtier.connector.fingerprint import config_fingerprint
 from kvtier.core.keys import (
     KEY_BYTES,
+    MediaItem,
     Namespace,
     PromptKeyer,
     chunk_keys,
@@ -36,7 +37,8 @@ def test_spec_vectors(vector: dict) -> None:
     ns = Namespace(**vector["namespace"])
     assert ns.canonical_bytes().decode() == vector["canonical"]
     assert ns.root_key().hex() == vector["root"]
-    assert [k.hex() for k in prompt_keys(ns, vector["tokens"])] == vector["keys"]
+    media = [MediaItem(**m) for m in vector.get("media", [])]
+    assert [k.hex() for k in prompt_keys(ns, vector["tokens"], media)] == vector["keys"]
 
 
 def test_keys_are_truncated_sha256_of_the_spec_formula() -> None:
