@@ -55,6 +55,7 @@ ENGINE_THREADS = ("kvtier-lookup", "kvtier-ops", "kvtier-alloc", "kvtier-load")
 
 ENGINE = [  # every hit: vLLM's hooks, the scheduler side, the pool tier, the worker's copy
     "connector/counters.py",
+    "connector/group_blocks.py",  # which blocks of each KV cache group a load fills
     "connector/layout.py",
     "connector/lookup.py",
     "connector/paged_kv.py",
