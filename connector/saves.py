@@ -174,10 +174,10 @@ class SavePlanner:
         per_chunk = [chunk_save_blocks(geo, blocks, c, self.null_block) for c in range(start, end)]
         # a chunk whose kept blocks a sliding window already passed is not saved, nor any
         # before it (a hit needs a prefix): start after the last such chunk
-        for i, got in enumerate(per_chunk):
-            if got is None:
-                self._count(C.SAVE_ERRORS, 1)
-                start, per_chunk = start + i + 1, per_chunk[i + 1 :]
+        missing = [i for i, got in enumerate(per_chunk) if got is None]
+        if missing:
+            self._count(C.SAVE_ERRORS, len(missing))
+            start, per_chunk = start + missing[-1] + 1, per_chunk[missing[-1] + 1 :]
         if end <= start:
             return None
         bpc = geo.blocks_per_chunk
@@ -187,7 +187,7 @@ class SavePlanner:
             state,
             start,
             end,
-            [got for got in per_chunk if got is not None],
+            [got for got in per_chunk if got is not None],  # every one, after the cut
             computed_over,
             future,
             time.monotonic() + self.config.save_defer_s,
