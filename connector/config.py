@@ -103,17 +103,28 @@ def _set(nested: dict[str, Any], dotted: str, value: Any) -> None:
     nested[leaf] = value
 
 
-def with_engine_constraints(config: ConnectorConfig, async_scheduling: bool) -> ConnectorConfig:
-    """The connector config this engine can run exactly. With async scheduling (vLLM's default
-    on CUDA) step N+1 is scheduled before step N's outputs are back: a sync load that fails
-    in step N is known only after a step computed over its unloaded KV was scheduled, and that
-    step's token reaches the user. Async loads are known complete before the request is
-    scheduled at all, so they are used instead (a warning says so)."""
-    if async_scheduling and config.load_mode == "sync":
+def with_engine_constraints(
+    config: ConnectorConfig, async_scheduling: bool, hybrid: bool = False
+) -> ConnectorConfig:
+    """The connector config this engine can run exactly: loads are async (a warning says why)
+    where a sync load's failure could not be handled exactly.
+
+    - With async scheduling (vLLM's default on CUDA) step N+1 is scheduled before step N's
+      outputs are back: a sync load that fails in step N is known only after a step computed
+      over its unloaded KV was scheduled, and that step's token reaches the user. Async loads
+      are known complete before the request is scheduled at all.
+    - With several KV cache groups (``hybrid``) vLLM takes load failures per request only, and
+      only for requests waiting on an async load (block ids are per group there)."""
+    if config.load_mode != "sync":
+        return config
+    if async_scheduling:
         log.warning(
             "kvtier: vLLM's async scheduling is on, so loads are async (load_mode: async): a "
             "sync load's failure would be known only after a step over its missing KV was "
             "already scheduled"
         )
-        return config.model_copy(update={"load_mode": "async"})
-    return config
+    elif hybrid:
+        log.info("kvtier: hybrid KV cache groups: loads are async (load_mode: async)")
+    else:
+        return config
+    return config.model_copy(update={"load_mode": "async"})

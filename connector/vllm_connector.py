@@ -92,22 +92,20 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         # the whole config model, kv_connector_extra_config applied as its flags
         self.settings = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        self.config = with_engine_constraints(
-            self.settings.connector, bool(vllm_config.scheduler_config.async_scheduling)
-        )
+        asked = self.settings.connector
         geometry, identity = describe(
             vllm_config,
             kv_cache_config,
-            self.config.chunk_tokens,
-            self.config.model_id,
-            weights_tag=self.config.weights_tag,
-            fingerprint=self.config.fingerprint_weights and role == KVConnectorRole.SCHEDULER,
+            asked.chunk_tokens,
+            asked.model_id,
+            weights_tag=asked.weights_tag,
+            fingerprint=asked.fingerprint_weights and role == KVConnectorRole.SCHEDULER,
         )
-        if len(geometry.groups) > 1 and self.config.load_mode == "sync":
-            # vLLM takes a hybrid model's load failures only per request, and only for
-            # requests waiting on an async load (block ids are per group there)
-            log.info("kvtier: hybrid KV cache groups: loads are async (load_mode: async)")
-            self.config = self.config.model_copy(update={"load_mode": "async"})
+        self.config = with_engine_constraints(
+            asked,
+            bool(vllm_config.scheduler_config.async_scheduling),
+            hybrid=len(geometry.groups) > 1,
+        )
         self.scheduler: ConnectorScheduler | None = None
         self.worker: ConnectorWorker | None = None
         self.guard = HookGuard()

@@ -142,7 +142,7 @@ def test_async_scheduling_makes_loads_async_and_their_failures_exact(tmp_path: P
         rig.close()
 
 
-def test_load_mode_follows_async_scheduling() -> None:
+def test_load_mode_follows_async_scheduling_and_kv_cache_groups() -> None:
     from kvtier.connector.config import with_engine_constraints
     from kvtier.core.config.connector import ConnectorConfig
 
@@ -150,3 +150,5 @@ def test_load_mode_follows_async_scheduling() -> None:
     assert with_engine_constraints(sync, async_scheduling=True).load_mode == "async"
     assert with_engine_constraints(sync, async_scheduling=False).load_mode == "sync"
     assert with_engine_constraints(ConnectorConfig(load_mode="async"), True).load_mode == "async"
+    # a hybrid model's load failures reach vLLM per request, for async loads only
+    assert with_engine_constraints(sync, False, hybrid=True).load_mode == "async"
