@@ -178,31 +178,26 @@ CONFIGS = [
 ]
 
 
+def vector(
+    name: str, ns: Namespace, tokens: list[int], media: list[MediaItem] | None = None
+) -> dict:
+    """One test vector; ``media`` only where the prompt has multimodal items."""
+    out = {
+        "name": name,
+        "namespace": ns.model_dump(),
+        "canonical": ns.canonical_bytes().decode(),
+        "root": ns.root_key().hex(),
+        "tokens": tokens,
+    }
+    if media:
+        out["media"] = [dataclasses.asdict(m) for m in media]
+    out["keys"] = [k.hex() for k in prompt_keys(ns, tokens, media or ())]
+    return out
+
+
 def main() -> None:
-    vectors = []
-    for name, ns, tokens in CASES:
-        vectors.append(
-            {
-                "name": name,
-                "namespace": ns.model_dump(),
-                "canonical": ns.canonical_bytes().decode(),
-                "root": ns.root_key().hex(),
-                "tokens": tokens,
-                "keys": [k.hex() for k in prompt_keys(ns, tokens)],
-            }
-        )
-    for name, ns, tokens, media in MEDIA_CASES:
-        vectors.append(
-            {
-                "name": name,
-                "namespace": ns.model_dump(),
-                "canonical": ns.canonical_bytes().decode(),
-                "root": ns.root_key().hex(),
-                "tokens": tokens,
-                "media": [dataclasses.asdict(m) for m in media],
-                "keys": [k.hex() for k in prompt_keys(ns, tokens, media)],
-            }
-        )
+    vectors = [vector(name, ns, tokens) for name, ns, tokens in CASES]
+    vectors += [vector(name, ns, tokens, media) for name, ns, tokens, media in MEDIA_CASES]
     body = ",\n".join(json.dumps(v) for v in vectors)
     OUT.write_text(f"[\n{body}\n]\n")
     print(f"wrote {len(vectors)} vectors to {OUT}")
