@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from kvtier.connector.config import parse_extra_config
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
 
-from support.helpers import StoreProcess, start_store_process
+from support.helpers import StoreProcess, start_store_process, vllm_start_failure
 from support.vllm_fixtures import make_tiny_llama, vllm_env
 
 pytestmark = pytest.mark.vllm
@@ -37,19 +35,9 @@ def run(model: str, phases: list[dict], run_dir: Path, extra: dict | None = None
 
 def start_failure(model: str, run_dir: Path, extra: dict) -> tuple[int, str]:
     """Start vLLM with a connector config expected to be refused; (exit code, stderr)."""
-    import json
-
     extra = {"chunk_tokens": CHUNK} | extra
     spec = {"model": model, "phases": [], "kv_transfer_config": kvtier_transfer_config(extra)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.testing.vllm_driver"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir)),
-    )
-    return proc.returncode, proc.stderr
+    return vllm_start_failure(spec, run_dir)
 
 
 def prompts(seed: int, lengths: list[int], shared_prefix: int = 0) -> list[list[int]]:

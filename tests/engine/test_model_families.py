@@ -12,10 +12,7 @@ start-up with the reason.
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,8 @@ from kvtier.testing.models import (
 )
 from kvtier.testing.services import start_store
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
+
+from support.helpers import vllm_start_failure
 
 pytestmark = pytest.mark.vllm
 
@@ -119,16 +118,9 @@ def test_a_mamba_hybrid_is_refused_at_start_with_the_reason(tmp_path: Path, run_
         "phases": [],
         "kv_transfer_config": kvtier_transfer_config({"chunk_tokens": 256}),
     }
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.testing.vllm_driver"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir)),
-    )
-    assert proc.returncode != 0
-    assert "kvtier does not store Mamba / linear-attention state (MambaSpec)" in proc.stderr
+    code, stderr = vllm_start_failure(spec, run_dir)
+    assert code != 0
+    assert "kvtier does not store Mamba / linear-attention state (MambaSpec)" in stderr
 
 
 def test_fp8_kv_cache_hits_are_exact_and_never_shared_with_another_dtype(

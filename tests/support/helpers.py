@@ -187,3 +187,21 @@ def http_json(url: str, body: object | None = None) -> tuple[int, object]:
         return status, json.loads(text)
     except json.JSONDecodeError:
         return status, text
+
+
+def vllm_start_failure(spec: dict, run_dir: Path, **env: str) -> tuple[int, str]:
+    """Start vLLM (``kvtier.testing.vllm_driver``) with a spec expected to be refused at
+    start-up: (exit code, stderr)."""
+    import sys
+
+    from kvtier.testing.models import vllm_env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.testing.vllm_driver"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir), **env),
+    )
+    return proc.returncode, proc.stderr
