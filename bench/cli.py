@@ -209,6 +209,24 @@ def bench_connector_overhead(
     _write({"rows": rows}, json_out)
 
 
+@bench_app.command("pool-footprint")
+def bench_pool_footprint(
+    model_family: Annotated[str, typer.Option(help="tiny model: llama, deepseek-mla, ...")] = (
+        "deepseek-mla"
+    ),
+    tensor_parallel_sizes: Annotated[str, typer.Option(help="TP sizes to compare")] = "1,2",
+    prompt_tokens: Annotated[int, typer.Option(help="tokens of the one prompt")] = 1024,
+    json_out: JsonOut = None,
+) -> None:
+    """Pool bytes one saved prompt takes, per tensor-parallel size (MLA: stored once)."""
+    from kvtier.bench.engine import pool_footprint
+
+    sizes = [int(x) for x in tensor_parallel_sizes.split(",") if x.strip()]
+    rows = pool_footprint.run(model_family, sizes, prompt_tokens)
+    pool_footprint.print_report(rows)
+    _write({"rows": rows}, json_out)
+
+
 @bench_app.command("decode-overhead")
 def bench_decode_overhead(
     repeats: Annotated[int, typer.Option(help="rounds; each starts every configuration")] = 2,

@@ -54,6 +54,8 @@ class Report:
     suffix: int = 0  # new tokens after the reused prefix in each request
     samples: list[Sample] = field(default_factory=list)
     floors: dict[int, float] = field(default_factory=dict)  # L -> memcpy seconds
+    # a peer that does not run this model: its error, as the report says it
+    failures: dict[str, str] = field(default_factory=dict)
 
     def p(self, config: str, tier: str, length: int, q: float) -> float | None:
         xs = sorted(
@@ -183,6 +185,21 @@ def _lmcache(model: str, run_dir: Path) -> tuple[dict, dict, Callable[[], None]]
     )
 
 
+def _vllm_offload(connector: str) -> ConfigSetup:
+    """vLLM's native CPU offloading (``SimpleCPUOffloadConnector`` / ``OffloadingConnector``):
+    they need CUDA or XPU streams, so on the CPU build the report quotes their error."""
+
+    def setup(model: str, run_dir: Path) -> tuple[dict, dict, Callable[[], None]]:
+        config = {
+            "kv_connector": connector,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 4 << 30, "num_cpu_blocks": 4096},
+        }
+        return {"kv_transfer_config": config}, {}, lambda: None
+
+    return setup
+
+
 def _run_remote(
     report: Report,
     prompts: dict,
@@ -211,6 +228,7 @@ def _run_remote(
                 "index_address": index.address,
                 "tiers": ["cpu", "remote"],
                 "remote_fetch_timeout_s": 30.0,
+                "lookup_deadline_s": 60.0,  # a pull is given its whole timeout
                 "min_hit_tokens": {"cpu": 256, "remote": 256},
             }
             return {
@@ -247,6 +265,8 @@ CONFIGS: dict[str, tuple[ConfigSetup, list[str]]] = {
     "kvtier-noverify": (functools.partial(_kvtier, verify_loads=False), ["miss", "gpu", "dram"]),
     "baseline": (_baseline, ["miss", "gpu"]),
     "lmcache": (_lmcache, ["miss", "gpu", "dram"]),
+    "vllm-simple-offload": (_vllm_offload("SimpleCPUOffloadConnector"), ["miss", "gpu", "dram"]),
+    "vllm-offload": (_vllm_offload("OffloadingConnector"), ["miss", "gpu", "dram"]),
 }
 
 
@@ -305,12 +325,30 @@ def run(
                     **spec_extra,
                 }
                 results = run_vllm(spec, vllm_env(**env_extra), timeout=7200)
+            except RuntimeError as exc:
+                if name.startswith("kvtier"):
+                    raise  # our own failure is never a row of the report
+                report.failures[name] = last_error(str(exc))
+                progress(f"{name} does not run this model: {report.failures[name]}")
+                continue
             finally:
                 cleanup()
             _collect(report, name, results, labels)
         for length in lengths:
             report.floors[length] = memcpy_floor(length * kv_per_token)
     return report
+
+
+def last_error(driver_output: str) -> str:
+    """The exception a failed vLLM run ended with (its last ``...Error: ...`` line, with
+    what wrapped onto the following lines), for a report to quote."""
+    lines = [line.removeprefix("[rank0]: ").strip() for line in driver_output.splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        head, _, _ = lines[i].partition(": ")
+        if head.endswith(("Error", "Exception")):
+            tail = [x for x in lines[i + 1 : i + 3] if x and ":" not in x[:30]]
+            return " ".join([lines[i], *tail])
+    return lines[-1] if lines else "failed"
 
 
 def summary_rows(report: Report) -> list[dict[str, Any]]:
@@ -404,6 +442,8 @@ def print_report(report: Report) -> None:
             _ratio(dram, peer),
         )
     out.print(table)
+    for name, error in report.failures.items():
+        out.print(f"[yellow]{name} does not run this model: {error}")
     for sample in report.rejected():
         out.print(
             f"[yellow]left out: {sample.config} {sample.tier} at {sample.length} "
@@ -454,6 +494,7 @@ def to_json(report: Report) -> dict:
         "kv_bytes_per_token": report.kv_bytes_per_token,
         "suffix": report.suffix,
         "floors_s": {str(k): v for k, v in report.floors.items()},
+        "failures": report.failures,
         "summary": summary_rows(report),
         "samples": [s.__dict__ for s in report.samples],
     }

@@ -1,0 +1,74 @@
+"""Pool bytes one prompt takes, by tensor-parallel size:
+
+    kvtier bench pool-footprint --model-family deepseek-mla --tensor-parallel-sizes 1,2
+
+Each size runs in a fresh vLLM engine against a fresh node store process: one prompt is
+computed and saved, and the store's ``committed_bytes`` is read back once every rank's saves are
+committed. An MLA model's latent KV is identical on every TP rank, so kvtier stores it once
+(the ranks share one namespace, tp rank 0 saves): the TP-2 figure should equal the TP-1
+figure. A model whose KV heads are split over ranks stores each rank's heads, so the figures
+are equal there too (the same bytes, in twice the chunks).
+
+On vLLM's CPU build an MLA engine turns vLLM's own prefix caching off, and with it kvtier's
+hits (``layout.prefix_reuse_refused``); this benchmark turns it back on
+(``enable_prefix_caching``) only to measure what a saved prompt occupies, not to serve hits.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvtier.testing.models import make_family_model, vllm_env
+from kvtier.testing.services import start_store, store_stats
+from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
+
+TP_ENV = {1: {}, 2: {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per rank, no NUMA node
+
+
+def measure(family: str, tp: int, prompt_tokens: int, tmp: Path) -> dict[str, Any]:
+    """One prompt in a fresh engine of ``tp`` ranks: the store's bytes and chunks after it."""
+    model = make_family_model(Path(tempfile.gettempdir()) / f"kvtier-footprint-{family}", family)
+    run_dir = tmp / f"tp{tp}"
+    store = start_store(run_dir, "256MiB", f"footprint-tp{tp}", remote=False)
+    try:
+        rng = random.Random(0)
+        prompt = [rng.randrange(4, 500) for _ in range(prompt_tokens)]
+        extra = {"chunk_tokens": 64, "min_hit_tokens": {"cpu": 64}, "store_address": store.address}
+        spec = {
+            "model": str(model),
+            "phases": [{"op": "generate", "prompts": [prompt]}, {"op": "metrics"}],
+            "kv_transfer_config": kvtier_transfer_config(extra),
+            "engine_args": {"tensor_parallel_size": tp, "enable_prefix_caching": True},
+        }
+        _, counters = run_vllm(spec, vllm_env(**TP_ENV.get(tp, {})))
+        stats = store_stats(store.address, store.pid) or {}
+        return {
+            "family": family,
+            "tensor_parallel_size": tp,
+            "prompt_tokens": prompt_tokens,
+            "used_bytes": int(stats.get("committed_bytes", 0)),
+            "chunks": int(stats.get("chunks", 0)),
+            "saved_bytes": int(counters.get("vllm:kvtier_saved_bytes", 0)),
+        }
+    finally:
+        store.stop()
+
+
+def run(family: str, sizes: list[int], prompt_tokens: int) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="kvtier-footprint-") as tmp:
+        return [measure(family, tp, prompt_tokens, Path(tmp)) for tp in sizes]
+
+
+def print_report(rows: list[dict[str, Any]]) -> None:
+    base = rows[0]["used_bytes"] if rows else 0
+    print("| model | TP | prompt tokens | pool bytes | chunks | vs first row |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ratio = f"{r['used_bytes'] / base:.2f}x" if base else "-"
+        print(
+            f"| {r['family']} | {r['tensor_parallel_size']} | {r['prompt_tokens']} | "
+            f"{r['used_bytes']:,} | {r['chunks']} | {ratio} |"
+        )
