@@ -55,6 +55,22 @@ def bench_pool(
     _write(report, json_out)
 
 
+@bench_app.command("control")
+def bench_control(
+    calls: Annotated[int, typer.Option(help="calls per path and repeat")] = 2000,
+    hit_chunks: Annotated[int, typer.Option(help="chunks a leased hit covers")] = 8,
+    repeats: Annotated[int, typer.Option(help="rounds, each timing every path")] = 3,
+    json_out: JsonOut = None,
+) -> None:
+    """One engine-to-store control call by path (view, control socket, gRPC) beside a raw
+    Unix-socket ping-pong floor measured in the same run."""
+    from kvtier.bench.micro import control
+
+    report = control.run(calls, hit_chunks, repeats)
+    control.print_report(report)
+    _write(report, json_out)
+
+
 @bench_app.command("keys")
 def bench_keys(
     tokens: Annotated[int, typer.Option(help="prompt length")] = 131072,
@@ -235,7 +251,7 @@ def bench_decode_overhead(
     prompt_tokens: Annotated[int, typer.Option(help="tokens per prompt")] = 300,
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request")] = 32,
     configs: Annotated[
-        str, typer.Option(help="vllm (the floor), kvtier-embedded, kvtier-store")
+        str, typer.Option(help="vllm (the floor), kvtier-embedded, kvtier-store, kvtier-store-grpc")
     ] = "vllm,kvtier-embedded,kvtier-store",
     json_out: JsonOut = None,
 ) -> None:

@@ -39,6 +39,11 @@ class C:
         "lookups_pending", "Times vLLM was told to ask again while a lookup was in flight"
     )
     LOOKUP_ERRORS = Counter("lookup_errors", "Lookups that failed (treated as misses)")
+    LOOKUPS_KNOWN_MISS = Counter(
+        "lookups_known_miss",
+        "Lookups answered 'no hit' on the scheduler thread from the store's shared view of its "
+        "chunks, without a round trip or a lookup thread",
+    )
     LOOKUPS_SHED = Counter(
         "lookups_shed", "Requests answered 'no hit' because max_pending_lookups were in flight"
     )

@@ -176,6 +176,11 @@ class RequestState:
             return keyer.keys[:upto_chunks]
 
 
+# A known miss is decided on the scheduler thread only while the chunk it needs is among the
+# prompt's first ones: hashing more (a long prefix vLLM already holds) is the lookup thread's.
+INLINE_KEY_CHUNKS = 64
+
+
 class TierResolver:
     def __init__(
         self,
@@ -196,20 +201,57 @@ class TierResolver:
     def namespaces(self, state: RequestState) -> dict[int, bytes]:
         """The request's namespace id per TP rank, registered with the store (by the pool, at
         most once per namespace). Raises when the store is unreachable or refuses."""
+        found = self._namespaces(state, register=True)
+        assert found is not None
+        return found
+
+    def _namespaces(self, state: RequestState, register: bool) -> dict[int, bytes] | None:
+        """``register=False``: None unless the pool registered every one already (no call)."""
         if state.ns_ids is not None:
             return state.ns_ids
         identity = self._identity_of()
         lora_fp = self._adapters.of(state.lora_path) if state.lora_path else ""
         ns_ids = {}
+        chunk_bytes = self.geometry.chunk_bytes
         for rank in identity.data_ranks(self.geometry):
             namespace = identity.namespace(self.geometry, rank, state.salt, lora_fp)
-            ns_ids[rank] = self.pool.namespace_id(namespace, self.geometry.chunk_bytes)
+            if register:
+                ns_ids[rank] = self.pool.namespace_id(namespace, chunk_bytes)
+            elif (known := self.pool.registered_namespace_id(namespace, chunk_bytes)) is None:
+                return None
+            else:
+                ns_ids[rank] = known
         with state.lock:
             if state.ns_ids != ns_ids:
                 chunk = self.geometry.chunk_tokens
                 state.keyers = {r: PromptKeyer(ns, chunk) for r, ns in ns_ids.items()}
                 state.ns_ids = ns_ids
         return ns_ids
+
+    def known_miss(self, state: RequestState, computed: int) -> LookupOutcome | None:
+        """A lookup's outcome when it is known to find nothing without a round trip (on the
+        scheduler thread: no lookup thread, no wait), else None: resolve it. Known only where
+        the pool is the one tier (a staging tier must be asked), the request's namespaces are
+        registered already, its chunk past ``computed`` costs at most ``INLINE_KEY_CHUNKS``
+        chunks of hashing here, and the store's shared view says that chunk is absent on a
+        rank (then no rank can load past it)."""
+        geo = self.geometry
+        first = computed // geo.chunk_tokens
+        if self.staging or "cpu" not in self.config.tiers:
+            return None
+        if first >= state.request.num_tokens // geo.chunk_tokens or first >= INLINE_KEY_CHUNKS:
+            return None
+        ns_ids = self._namespaces(state, register=False)
+        if ns_ids is None:
+            return None
+        for rank, ns_id in ns_ids.items():
+            if self.pool.known_miss(ns_id, state.keys(rank, first + 1, geo.chunk_tokens)[first:]):
+                self._count(C.LOOKUPS, 1)
+                self._count(C.LOOKUPS_KNOWN_MISS, 1)
+                self._count(C.LOOKUP_TOKENS, state.request.num_tokens - computed)
+                generation = self.pool.session_generation
+                return LookupOutcome(computed, first, session_generation=generation)
+        return None
 
     def resolve(self, state: RequestState, computed: int) -> LookupOutcome:
         """Tier-first lookup for every TP rank: the pool's run (leased), then each staging

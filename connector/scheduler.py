@@ -204,6 +204,9 @@ class ConnectorScheduler:
             if state.lookup is None or state.lookup_for != computed:
                 self._drop_outcome(state)
                 self._supersede_lookup(state)
+                state.outcome = self.resolver.known_miss(state, computed)
+                if state.outcome is not None:  # nothing to lease: no round trip, no thread
+                    return 0, False
                 if not self._admit_lookup():
                     self._count(C.LOOKUPS_SHED)
                     return 0, False

@@ -11,6 +11,7 @@ Threading: stubs and channels are thread-safe; handlers run on the server's thre
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -215,6 +216,17 @@ _CALLER: ContextVar[Principal] = ContextVar("kvtier_caller", default=ANONYMOUS)
 def caller() -> Principal:
     """The principal of the call this handler thread is serving (``ANONYMOUS`` in process)."""
     return _CALLER.get()
+
+
+@contextlib.contextmanager
+def acting_as(principal: Principal) -> Iterator[None]:
+    """Serve calls on this thread as ``principal`` (what ``caller()`` answers inside): for a
+    server of the same methods beside gRPC (the store's control socket)."""
+    token = _CALLER.set(principal)
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
 
 
 # what a malformed request logs: one line per method and error type a minute, no traceback

@@ -41,6 +41,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvtier import __version__
 from kvtier.core.auth import Authenticator
 from kvtier.core.config import StoreConfig
@@ -51,7 +53,9 @@ from kvtier.store.api import StoreAdmin, StoreClient, StoreInfo
 from kvtier.store.api.events import EventBatch, EventGap
 from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
+from kvtier.store.client.control import socket_path
 from kvtier.store.client.shm import SHM_DIR, SharedSegment, checksum_views
+from kvtier.store.client.view import ChunkViewWriter, follow_events, view_bytes_for
 from kvtier.store.pool.watchdog import start_watchdog, stop_watchdog
 from kvtier.store.state.core import StoreCore
 from kvtier.store.state.limits import StoreLimits
@@ -103,14 +107,32 @@ class NodeStore(StoreClient, StoreAdmin):
         cleanup_stale_segments(run_dir)
         self._lock_path = run_dir / f"{safe}{LOCK_SUFFIX}"
         self._lock_fd = _acquire_lock(self._lock_path, self.segment_name)
+        # the view of committed chunks engines read (store.client.view) follows the pages
+        pages = self.core.capacity_bytes // self.core.page_size
+        self.view_offset = -(-int(pool.capacity) // 4096) * 4096 if config.fast_control else 0
+        self.view_bytes = view_bytes_for(pages) if config.fast_control else 0
         try:
             self.segment = SharedSegment.create(
-                self.segment_name, int(pool.capacity), prefault=pool.prefault
+                self.segment_name,
+                (self.view_offset + self.view_bytes) or int(pool.capacity),
+                prefault=pool.prefault,
             )
         except BaseException:
             self._release_lock()
             raise
-        self._watchdog = start_watchdog([SHM_DIR / self.segment_name, self._lock_path])
+        self._view: ChunkViewWriter | None = None
+        if self.view_bytes:
+            view = self.segment.array[self.view_offset : self.view_offset + self.view_bytes]
+            self._view = ChunkViewWriter(
+                view.view(np.uint64), self.epoch, config.max_batch_keys, 3 * self._reap_period()
+            )
+            self.core.events.observer = follow_events(self._view)
+        # what a crash leaves is removed by the watchdog: the pool, the lock file and the
+        # control socket a service may serve for this incarnation (store.server.control)
+        control = socket_path(run_dir, self.epoch)
+        self._watchdog = start_watchdog(
+            [SHM_DIR / self.segment_name, self._lock_path, *([control] if control else [])]
+        )
         self.remote: RemoteTier | None = None
         if config.remote.enabled:
             from kvtier.store.remote.service import RemoteTier
@@ -130,6 +152,7 @@ class NodeStore(StoreClient, StoreAdmin):
                 self._release_lock()
                 raise
         self.transfer_address = self.remote.address if self.remote else ""
+        self.control_socket = ""  # set by the service serving one (store.server.control)
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="kvtier-reaper", daemon=True)
         self._reaper.start()
@@ -162,6 +185,9 @@ class NodeStore(StoreClient, StoreAdmin):
             transfer_base=self.remote.base_address if self.remote else 0,
             lease_ttl_s=self.config.lease_ttl_s,
             session_timeout_s=self.config.session_timeout_s,
+            control_socket=self.control_socket,
+            view_offset=self.view_offset,
+            view_bytes=self.view_bytes,
         )
 
     def local_segment(self) -> SharedSegment:
@@ -271,15 +297,20 @@ class NodeStore(StoreClient, StoreAdmin):
 
     # -- lifetime ----------------------------------------------------------------------------
 
-    def _reap_loop(self) -> None:
+    def _reap_period(self) -> float:
         config = self.config
         # Often enough that a dead client's session (and its pins) ends within ~1.25 timeouts.
-        period = max(
+        return max(
             0.05,
             min(1.0, config.lease_ttl_s / 4, config.write_ttl_s / 4, config.session_timeout_s / 4),
         )
+
+    def _reap_loop(self) -> None:
+        period = self._reap_period()
         while not self._closed.wait(period):
             self.core.reap()
+            if self._view is not None:
+                self._view.alive()  # engines trust the view only while this moves
 
     def _checksum_loop(self) -> None:
         """Checksum chunks committed without one. xxhash releases the GIL, so this runs beside
@@ -309,6 +340,9 @@ class NodeStore(StoreClient, StoreAdmin):
             return
         self._closed.set()
         self.core.events.close()
+        if self._view is not None:
+            with self.core.events.lock:  # after the last change it was told of
+                self._view.retire()
         if self.remote is not None:
             self.remote.close()  # before the pool is unmapped: peers must not read it after
         self.segment.close()
@@ -423,6 +457,9 @@ def cleanup_stale_segments(run_dir: Path) -> list[str]:
             if name and _remove_own_segment(name, _identity(lock_path)):
                 removed.append(name)
                 log.warning("removed pool segment %s left by a crashed store", name)
+                control = socket_path(run_dir, int(name[-16:], 16))
+                if control is not None and control.is_socket():
+                    control.unlink()  # its control socket (run_dir is the store uid's own)
             with contextlib.suppress(FileNotFoundError):
                 lock_path.unlink()
         finally:

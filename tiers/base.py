@@ -79,6 +79,15 @@ class PoolTier(abc.ABC):
     def namespace_id(self, namespace: Namespace, chunk_bytes: int) -> bytes:
         """The namespace's id, registered with the store if this tier did not yet."""
 
+    def registered_namespace_id(self, namespace: Namespace, chunk_bytes: int) -> bytes | None:
+        """The namespace's id when this tier registered it already, else None (no call)."""
+        return None
+
+    def known_miss(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
+        """True when a lookup of ``keys`` is known to find nothing without a round trip (the
+        store's shared view of its committed chunks). False: look up. Never blocks."""
+        return False
+
     @abc.abstractmethod
     def forget_namespace(self, ns_id: bytes) -> None:
         """The store no longer knows ``ns_id``: register it again next time."""

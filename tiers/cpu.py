@@ -129,13 +129,20 @@ class CpuTier(PoolBytes):
 
     def namespace_id(self, namespace: Namespace, chunk_bytes: int) -> bytes:
         """``register_namespace``, without a call when this tier registered it already."""
+        known = self.registered_namespace_id(namespace, chunk_bytes)
+        return known if known is not None else self.register_namespace(namespace, chunk_bytes)
+
+    def registered_namespace_id(self, namespace: Namespace, chunk_bytes: int) -> bytes | None:
         ns_id = namespace.root_key()
         with self._lock:
             known = self._namespaces.get(ns_id)
-            if known is not None and known[1] == chunk_bytes:
-                self._namespaces.move_to_end(ns_id)
-                return ns_id
-        return self.register_namespace(namespace, chunk_bytes)
+            if known is None or known[1] != chunk_bytes:
+                return None
+            self._namespaces.move_to_end(ns_id)
+            return ns_id
+
+    def known_miss(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
+        return self.store.known_miss(ns_id, keys)
 
     def forget_namespace(self, ns_id: bytes) -> None:
         """The store does not know ``ns_id`` (UNKNOWN_NAMESPACE): register it again next time."""

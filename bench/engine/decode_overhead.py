@@ -8,7 +8,10 @@ interleaved repeat by repeat so a machine's drift hits all of them alike:
 
 - ``vllm``: no KV connector (the floor);
 - ``kvtier-embedded``: kvtier's connector with an embedded store in the engine process;
-- ``kvtier-store``: kvtier's connector with a node store process (gRPC over loopback).
+- ``kvtier-store``: kvtier's connector with a node store process (its hot path on the store's
+  control socket, misses answered from its shared view: ``store.fast_control``);
+- ``kvtier-store-grpc``: the same with every call over gRPC on loopback (the path before
+  ``store.fast_control``, kept to compare).
 
 The workload: ``requests`` distinct random prompts (every one a miss, so every prompt's
 chunks are saved while other requests decode), ``concurrency`` streams at a time,
@@ -47,7 +50,7 @@ from kvtier.testing.vllm_server import MODEL_NAME, VllmServer
 from kvtier.traces.replay import Replayer, ReplayItem, ReplayOptions, ReplayResult
 from kvtier.traces.summary import summarize
 
-CONFIGS = ("vllm", "kvtier-embedded", "kvtier-store")
+CONFIGS = ("vllm", "kvtier-embedded", "kvtier-store", "kvtier-store-grpc")
 
 
 @dataclass
@@ -102,9 +105,11 @@ def _serve_once(
     extra_args: list[str] = []
     if config != "vllm":
         extra: dict[str, Any] = {"chunk_tokens": 64, "store": {"pool": {"capacity": s.pool}}}
-        if config == "kvtier-store":
+        if config.startswith("kvtier-store"):
             store = start_store(workdir, s.pool, "decode-bench", remote=False)
             extra = {"chunk_tokens": 64, "store_address": store.address}
+            if config == "kvtier-store-grpc":
+                extra["store"] = {"fast_control": False}
         extra_args = ["--kv-transfer-config", json.dumps(kvtier_transfer_config(extra))]
     server = VllmServer(
         model, workdir / f"{config}.log", kv_cache_bytes=s.kv_cache_bytes, extra_args=extra_args,

@@ -202,6 +202,12 @@ class StoreConfig(Section):
         description="also serve the control API on this Unix socket (its directory is made "
         "0700): the node's engines connect to unix:<path> with no token and no network",
     )
+    fast_control: bool = Field(
+        True,
+        description="the engine hot path (lookup, allocate, commit, abort, release, renew) "
+        "over a framed Unix socket in run_dir instead of gRPC (~20x cheaper a call; "
+        "docs/benchmarks.md). Store side: serve it; engine side: use it when the store does",
+    )
     run_dir: Path = Field(
         default_factory=default_run_dir,
         description="lock files that tell a restart what a crashed store left behind; private "

@@ -61,6 +61,9 @@ class StoreInfo:
     transfer_base: int = 0  # remote tier: the pool's virtual address in the store's process
     lease_ttl_s: float = 30.0  # the store's default read-lease lifetime
     session_timeout_s: float = 0.0  # a session without heartbeat this long ends (0: no sessions)
+    control_socket: str = ""  # the engine hot path's Unix socket (store.server.control; "": none)
+    view_offset: int = 0  # where the view of committed chunks is in the segment (0: none)
+    view_bytes: int = 0  # (kvtier.store.client.view)
 
 
 class StoreHandle(abc.ABC):
@@ -97,6 +100,12 @@ class StoreClient(StoreHandle):
         """The pool's mapping when the store runs in this process (embedded), else None:
         clients then map the segment ``info()`` names."""
         return None
+
+    def known_miss(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
+        """True when a lookup of ``keys`` is known to find nothing without asking the store
+        (the store's shared view of its committed chunks says the first is absent). False:
+        ask it. Never blocks on the store."""
+        return False
 
     @abc.abstractmethod
     def register_namespace(self, namespace: Namespace, chunk_bytes: int) -> bytes:

@@ -21,7 +21,9 @@ def connect(
     if config.address:
         from kvtier.store.client.grpc import GrpcStoreClient
 
-        return GrpcStoreClient(config.address, timeout_s, lazy=lazy, auth=auth)
+        return GrpcStoreClient(
+            config.address, timeout_s, lazy=lazy, auth=auth, fast_control=config.fast_control
+        )
     from kvtier.store.node import NodeStore  # embedded: the store itself, in this process
 
     return NodeStore(config)

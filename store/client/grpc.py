@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
 import threading
 import weakref
@@ -28,9 +29,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from kvtier.core import rpc
 from kvtier.core.auth import Authenticator, Principal
+from kvtier.core.chunks import LookupStatus
 from kvtier.core.config.auth import Role
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace, pack_keys, unpack_keys
@@ -39,11 +42,16 @@ from kvtier.store.api.events import EventBatch, EventGap
 from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
 from kvtier.store.client import wire
+from kvtier.store.client.control import METHODS as CONTROL_METHODS
+from kvtier.store.client.control import ControlChannel, ControlUnreachable
+from kvtier.store.client.shm import SegmentError, SharedSegment
+from kvtier.store.client.view import ChunkView
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
 
 # A fetch's reply may come this long after its own deadline (the store's last control call).
 FETCH_REPLY_MARGIN_S = 5.0
+MAX_VIEWED_NAMESPACES = 4096  # namespaces whose misses the view answers (the store's default)
 CLOSE_SESSION_TIMEOUT_S = 2.0  # close() does not wait longer for an unreachable store
 
 T = TypeVar("T")
@@ -57,8 +65,11 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         lazy: bool = False,
         auth: rpc.ClientAuth | None = None,
         verify: Authenticator | None = None,
+        fast_control: bool = True,
     ) -> None:
         """``address``: ``host:port`` or ``unix:/path`` (the node's socket: no token needed).
+        ``fast_control``: make the hot-path calls on the store's control socket when it
+        serves one (``kvtier.store.client.control``); gRPC otherwise.
         ``lazy``: do not fail when the store is not reachable yet (an engine may start
         before its node store); every call then answers UNAVAILABLE until it is. ``auth``:
         the token / TLS this client presents. ``verify``: the address came from someone
@@ -70,6 +81,13 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         if verify is not None:
             self.proved = verify_store(address, auth, verify, timeout_s)
         self._channel = rpc.open_channel(address, auth)
+        self._fast_control = fast_control and verify is None  # a peer's store is not local
+        self._token = auth.token if auth is not None else None
+        self._control: ControlChannel | None = None
+        self._view: ChunkView | None = None  # the store's view of committed chunks, mapped
+        self._view_map: SharedSegment | None = None
+        self.view_misses = 0  # lookups the view answered (a miss) without a call
+        self._registered: dict[bytes, int] = {}  # ns id -> the epoch it was registered at
         self._stub = store_pb2_grpc.StoreStub(self._channel)
         self._info: StoreInfo | None = None
         self._session = 0  # this client's own session; 0 = none open yet
@@ -89,6 +107,11 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
                 raise  # lazy: a store not up yet is attached to on first use
 
     @property
+    def control(self) -> ControlChannel | None:
+        """The store's control socket this client calls the hot path on (None: gRPC only)."""
+        return self._control
+
+    @property
     def epoch(self) -> int:
         return self.info().epoch
 
@@ -101,7 +124,46 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         self._drop_session(self._session)
         return self._info
 
+    def _adopt_control(self, info: StoreInfo) -> None:
+        """Use ``info``'s control socket from now on (the previous incarnation's is closed):
+        only a socket this process can open, i.e. a store on this node."""
+        old = self._control
+        if old is not None and old.path == info.control_socket:
+            return
+        self._control = None
+        if old is not None:
+            old.close()
+        if self._fast_control and info.control_socket and os.path.exists(info.control_socket):
+            self._control = ControlChannel(info.control_socket, self._token, self.timeout_s)
+            self._reachable = True
+        self._adopt_view(info)
+
+    def _adopt_view(self, info: StoreInfo) -> None:
+        """Map ``info``'s view of committed chunks (``kvtier.store.client.view``): only with
+        the control socket, i.e. a store on this node, whose segment this process can map."""
+        old, self._view, self._view_map = self._view_map, None, None
+        if old is not None:
+            old.close()
+        if self._control is None or not info.view_bytes:
+            return
+        try:
+            mapped = SharedSegment.attach(info.segment_name, info.segment_size, populate=False)
+        except (OSError, SegmentError):
+            return  # not this node's store after all: lookups ask it
+        words = mapped.array[info.view_offset : info.view_offset + info.view_bytes]
+        view = ChunkView(words.view(np.uint64))
+        if view.valid() and view.epoch == info.epoch:
+            self._view, self._view_map = view, mapped
+        else:
+            mapped.close()
+
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
+        control = self._control
+        if control is not None and name in CONTROL_METHODS:
+            try:
+                return control.call(name, request)
+            except ControlUnreachable:
+                pass  # over gRPC, which answers (STALE_EPOCH, UNAVAILABLE) or says why
         try:
             reply = getattr(self._stub, name)(request, timeout=timeout or self.timeout_s)
         except grpc.RpcError as exc:
@@ -123,7 +185,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
                 raise rpc.error_from_rpc(exc, f"store {self.address}") from None
         else:
             reply = self._call("Info", pb.InfoRequest())
-        return StoreInfo(
+        info = StoreInfo(
             node_id=reply.node_id,
             epoch=reply.epoch,
             segment_name=reply.segment_name,
@@ -133,8 +195,13 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             transfer_address=reply.transfer_address,
             transfer_base=reply.transfer_base,
             lease_ttl_s=reply.lease_ttl_s or 30.0,
+            control_socket=reply.control_socket,
+            view_offset=reply.view_offset,
+            view_bytes=reply.view_bytes,
             session_timeout_s=reply.session_timeout_s,
         )
+        self._adopt_control(info)
+        return info
 
     # -- StoreClient: the engine's surface --------------------------------------------------
 
@@ -155,6 +222,10 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
                 chunk_bytes=chunk_bytes,
             ),
         )
+        registered = self._registered
+        if len(registered) >= MAX_VIEWED_NAMESPACES:
+            registered.clear()  # they are asked of the store until registered again
+        registered[reply.ns_id] = self.epoch
         return reply.ns_id
 
     def lookup(
@@ -166,6 +237,8 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         session: int = 0,
     ) -> LookupResult:
         epoch = self.epoch  # the reply's extents belong to the epoch the request was made in
+        if self.known_miss(ns_id, keys):  # no round trip
+            return LookupResult([], LookupStatus.MISS, 0, epoch)
         packed = pack_keys(keys)
 
         def call(session: int) -> Any:
@@ -270,6 +343,23 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
                 raise
             self._drop_session(own)
             return call(self._own_session())
+
+    def known_miss(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
+        view, info = self._view, self._info
+        if view is None or info is None or view.epoch != info.epoch:
+            return False
+        # only in a namespace this client registered at this incarnation: any other (not
+        # registered, another tenant's) is the store's to answer, UNKNOWN_NAMESPACE and all
+        if self._registered.get(ns_id) != info.epoch or not view.misses(ns_id, keys):
+            return False
+        self.view_misses += 1
+        return True
+
+    def open_own_session(self) -> int:
+        """This client's session, opened now if it is not yet (it opens by itself on the first
+        lease-creating call; a lookup the store's view answers creates none). 0: the store
+        has no sessions."""
+        return self._own_session()
 
     def _own_session(self) -> int:
         with self._session_lock:
@@ -410,6 +500,9 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
                 request = pb.CloseSessionRequest(epoch=self.epoch, session=session)
                 timeout = min(self.timeout_s, CLOSE_SESSION_TIMEOUT_S)
                 self._call("CloseSession", request, timeout=timeout)
+        if self._control is not None:
+            self._control.close()
+        self._view = None  # the mapping goes with the segment's last reference
         self._channel.close()  # a heartbeat in flight is cancelled; the thread then stops
 
 

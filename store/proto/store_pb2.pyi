@@ -71,7 +71,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "segment_name", "segment_size", "page_size", "version", "transfer_address", "transfer_base", "lease_ttl_s", "session_timeout_s")
+    __slots__ = ("node_id", "epoch", "segment_name", "segment_size", "page_size", "version", "transfer_address", "transfer_base", "lease_ttl_s", "session_timeout_s", "control_socket", "view_offset", "view_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,9 @@ class InfoReply(_message.Message):
     TRANSFER_BASE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     SESSION_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    VIEW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    VIEW_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     segment_name: str
@@ -92,7 +95,10 @@ class InfoReply(_message.Message):
     transfer_base: int
     lease_ttl_s: float
     session_timeout_s: float
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., segment_name: _Optional[str] = ..., segment_size: _Optional[int] = ..., page_size: _Optional[int] = ..., version: _Optional[str] = ..., transfer_address: _Optional[str] = ..., transfer_base: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., session_timeout_s: _Optional[float] = ...) -> None: ...
+    control_socket: str
+    view_offset: int
+    view_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., segment_name: _Optional[str] = ..., segment_size: _Optional[int] = ..., page_size: _Optional[int] = ..., version: _Optional[str] = ..., transfer_address: _Optional[str] = ..., transfer_base: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., session_timeout_s: _Optional[float] = ..., control_socket: _Optional[str] = ..., view_offset: _Optional[int] = ..., view_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("epoch", "namespace_json", "chunk_bytes")

@@ -161,6 +161,9 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             transfer_base=info.transfer_base,
             lease_ttl_s=info.lease_ttl_s,
             session_timeout_s=info.session_timeout_s,
+            control_socket=info.control_socket,
+            view_offset=info.view_offset,
+            view_bytes=info.view_bytes,
         )
 
     @rpc.handler
@@ -368,13 +371,14 @@ def start_grpc_server(
     max_message_bytes: int = rpc.MESSAGE_LIMIT,
     tenant_of: Callable[[bytes], str | None] | None = None,
     metrics: StoreMetrics | None = None,
+    servicer: StoreServicer | None = None,
 ) -> tuple[grpc.Server, int]:
     """Serve ``node`` on host:port (port 0 picks a free one) and ``unix_socket``. Returns
     (server, bound port). ``security``: who may call what (``STORE_PERMISSIONS``).
     ``tenant_of``: a registered namespace's salt digest (``TenantGate``); ``metrics``: where
-    the calls are timed."""
+    the calls are timed. ``servicer``: one already made (shared with the control socket)."""
     own_token = security.own_token if security is not None else None
-    servicer = StoreServicer(node, own_token, tenant_of, metrics)
+    servicer = servicer or StoreServicer(node, own_token, tenant_of, metrics)
     return rpc.start_server(
         [(store_pb2_grpc.add_StoreServicer_to_server, servicer)],
         host,

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -22,8 +23,10 @@ from kvtier.core.config import AuthConfig, KvtierConfig, StoreConfig
 from kvtier.core.http import HttpGuard, HttpServer
 from kvtier.index.api import LocationKind, Registration
 from kvtier.index.client.announce import Announcer
+from kvtier.store.client.control import socket_path
 from kvtier.store.node import NodeStore
-from kvtier.store.server.grpc import STORE_PERMISSIONS, start_grpc_server
+from kvtier.store.server.control import ControlServer
+from kvtier.store.server.grpc import STORE_PERMISSIONS, StoreServicer, start_grpc_server
 from kvtier.store.server.http import build_app
 from kvtier.store.server.metrics import build_registry
 
@@ -40,6 +43,7 @@ class StoreService:
     grpc_address: str
     http_address: str
     announcer: Announcer | None = None
+    control: ControlServer | None = None  # the engines' hot path (store.fast_control)
 
     @classmethod
     def start(
@@ -70,8 +74,11 @@ class StoreService:
             peer_verify=authenticator,
             index_address=index_address,
         )
+        control: ControlServer | None = None
         try:
             metrics, registry = build_registry(node)
+            servicer = StoreServicer(node, security.own_token, metrics=metrics)
+            control = start_control(node, servicer, authenticator)
             server, grpc_port = start_grpc_server(
                 node,
                 config.grpc_host,
@@ -81,6 +88,7 @@ class StoreService:
                 unix_socket=config.unix_socket,
                 max_message_bytes=int(config.max_message_bytes),
                 metrics=metrics,
+                servicer=servicer,
             )
             ready = threading.Event()
             http = HttpServer(
@@ -97,6 +105,8 @@ class StoreService:
             )
             http_port = http.start()
         except BaseException:
+            if control is not None:
+                control.stop()
             node.close()
             raise
         ready.set()
@@ -111,15 +121,45 @@ class StoreService:
                 Registration(config.node_id, LocationKind.NODE, endpoints={"store": grpc_address}),
                 auth=client_auth,
             )
-        return cls(node, server, http, grpc_address, f"{config.http_host}:{http_port}", announcer)
+        return cls(
+            node,
+            server,
+            http,
+            grpc_address,
+            f"{config.http_host}:{http_port}",
+            announcer,
+            control,
+        )
 
     def stop(self, grace_s: float = 2.0) -> None:
         if self.announcer is not None:
             self.announcer.stop()
         self.node.core.events.close()  # end ReadEvents long-polls so the grace period is short
+        if self.control is not None:
+            self.control.stop()
         self.grpc_server.stop(grace_s).wait()
         self.http.stop()
         self.node.close()
+
+
+def start_control(
+    node: NodeStore, servicer: StoreServicer, authenticator: Authenticator
+) -> ControlServer | None:
+    """The control socket, when ``store.fast_control`` is on and its path fits a socket
+    address (else engines use gRPC, with a warning here)."""
+    if not node.config.fast_control:
+        return None
+    path = socket_path(Path(node.config.run_dir), node.epoch)
+    if path is None:
+        log.warning(
+            "store.run_dir %s is too long a path for a Unix socket: engines use gRPC for "
+            "every call (set a shorter run_dir for the control socket)",
+            node.config.run_dir,
+        )
+        return None
+    control = ControlServer(servicer, path, authenticator)
+    node.control_socket = str(path)
+    return control
 
 
 def serve(config: KvtierConfig) -> None:
@@ -139,7 +179,7 @@ def serve(config: KvtierConfig) -> None:
                 "unix": f"unix:{config.store.unix_socket}" if config.store.unix_socket else None,
                 "http": service.http_address,
                 "segment": info.segment_name,
-                "capacity_bytes": info.segment_size,
+                "capacity_bytes": service.node.core.capacity_bytes,
                 "transfer": info.transfer_address,
             }
         ),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,9 @@ class EventLog:
     node_id: str
     epoch: int
     capacity: int = 65536
+    # called with every batch's events, in order, inside the log's lock (the store's view of
+    # committed chunks, ``kvtier.store.client.view``, follows the log this way)
+    observer: Callable[[Sequence[StoreEvent]], None] | None = None
     _batches: deque[EventBatch] = field(init=False)
     _next_seq: int = field(init=False, default=1)
     _cond: threading.Condition = field(init=False, default_factory=threading.Condition)
@@ -34,6 +38,12 @@ class EventLog:
 
     def __post_init__(self) -> None:
         self._batches = deque(maxlen=self.capacity)
+
+    @property
+    def lock(self) -> threading.Condition:
+        """Held while a batch is appended (and its observer told): hold it to act between
+        two batches."""
+        return self._cond
 
     @property
     def last_seq(self) -> int:
@@ -44,6 +54,8 @@ class EventLog:
         if not events:
             return self.last_seq
         with self._cond:
+            if self.observer is not None:
+                self.observer(events)
             seq = self._next_seq
             self._next_seq += 1
             self._batches.append(

@@ -107,6 +107,9 @@ def test_a_save_whose_session_ended_is_never_sent(store: StoreProcess) -> None:
         request = _request("r", list(range(4, 4 + 4 * CHUNK + 1)))
         _looked_up(scheduler, request)
         scheduler.update_state_after_alloc(request, ([],), 0)
+        # the miss was answered from the store's view, without a call: the session a save
+        # belongs to is opened now (as the connector's first lease would open it)
+        assert pool.store.open_own_session()
         scheduler.saves._alloc.submit(time.sleep, 0.5)  # the allocation answers late...
         meta = scheduler.build_meta([("r", 0, 4 * CHUNK)])
         assert meta.saves == []

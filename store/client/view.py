@@ -1,0 +1,231 @@
+"""The store's read-only view of its committed chunks, mapped by every engine on the node, so a
+lookup that misses answers without a round trip to the store.
+
+Layout (in the pool segment, after the pages; ``StoreInfo.view_offset`` / ``view_bytes``): a
+header of seven little-endian u64 — magic, sequence (a seqlock: odd while the store writes),
+the store epoch, the slot count (a power of two), the store's ``max_batch_keys`` (a larger
+lookup is the store's to refuse), when the store last said it is alive (``CLOCK_MONOTONIC``
+ns, which every process on the node shares) and how old that may be — then the slots, one u64
+tag each, an open-addressing set with linear probing: 0 = empty, 1 = a removed tag.
+
+A chunk's tag is its key's first 8 bytes XOR its namespace id's first 8 bytes (both are
+hashes; 0 and 1 are moved to 2 and 3). An engine can compute the tag of a chunk only from its
+key, i.e. from its own namespace id, which carries its tenant's salt: to anyone else the view
+is a set of random numbers (how many chunks the node holds is all it tells; docs/security.md).
+
+A store that died without closing (SIGKILL) cannot retire its view, and one frozen cannot
+follow its chunks: its alive stamp stops moving, and past the max age readers ask the store
+(which answers UNAVAILABLE, or STALE_EPOCH from its next incarnation: the client re-attaches
+and maps the new view).
+
+What a reader may conclude: "absent" is a miss, always safe to act on (at worst a hit the
+store had is recomputed: a torn or stale read can only lose a hit). "Present" means nothing
+until the store leases it: every hit is still asked of the store, which is the authority.
+
+Threading: one writer, the store, under its state lock (``EventLog`` hands it every change
+in order); readers are lock-free (the seqlock: a read that saw the sequence odd or moved is
+retried, and after ``READ_TRIES`` given up as "unknown": ask the store).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvtier.store.api.events import EventKind, StoreEvent
+
+MAGIC = 0x6B76746965727631  # "kvtierv1"
+HEADER_WORDS = 7  # magic, sequence, epoch, slots, max batch keys, alive at, max age
+EMPTY, TOMBSTONE = 0, 1
+READ_TRIES = 8
+MAX_LOAD = 0.7  # slots in use (live + tombstones) before the writer rebuilds the table
+
+
+def view_bytes_for(max_chunks: int) -> int:
+    """Bytes of a view that holds ``max_chunks`` chunks below ``MAX_LOAD``."""
+    slots = 1024
+    while slots * MAX_LOAD < max_chunks * 1.25:
+        slots *= 2
+    return (HEADER_WORDS + slots) * 8
+
+
+def tag_of(ns_id: bytes, key: bytes) -> int:
+    tag = int.from_bytes(key[:8], "little") ^ int.from_bytes(ns_id[:8], "little")
+    return tag + 2 if tag < 2 else tag
+
+
+class ChunkView:
+    """A reader over the view's words (a uint64 array over the mapped segment)."""
+
+    def __init__(self, words: np.ndarray) -> None:
+        self._words = words
+        self._slots = words[HEADER_WORDS:]
+        self._mask = len(self._slots) - 1
+
+    @property
+    def epoch(self) -> int:
+        return int(self._words[2])
+
+    def valid(self) -> bool:
+        return int(self._words[0]) == MAGIC and len(self._slots) == int(self._words[3])
+
+    def _probe(self, tag: int) -> bool:
+        slots, mask = self._slots, self._mask
+        i = tag & mask
+        for _ in range(len(slots)):
+            word = int(slots[i])
+            if word == tag:
+                return True
+            if word == EMPTY:
+                return False
+            i = (i + 1) & mask
+        return False
+
+    def misses(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
+        """True when a lookup of ``keys`` is a miss without asking the store: its first chunk
+        is not committed. False: ask the store (it may hit, the read was not clean, or the
+        batch is one the store refuses)."""
+        words = self._words
+        if not keys or len(keys) > int(words[4]):
+            return False
+        if time.monotonic_ns() - int(words[5]) > int(words[6]):
+            return False  # the store has not said it is alive lately: ask it
+        return self.prefix_len(ns_id, keys[:1]) == 0
+
+    def prefix_len(self, ns_id: bytes, keys: Sequence[bytes]) -> int | None:
+        """How many of ``keys`` the view holds in a row from the first, or None when no
+        consistent read was had (ask the store)."""
+        words = self._words
+        tags = [tag_of(ns_id, k) for k in keys]
+        for _ in range(READ_TRIES):
+            seq = int(words[1])
+            if seq & 1:
+                continue
+            if int(words[0]) != MAGIC:
+                return None  # retired: its store closed
+            n = 0
+            for tag in tags:
+                if not self._probe(tag):
+                    break
+                n += 1
+            if int(words[1]) == seq:
+                return n
+        return None
+
+
+class ChunkViewWriter(ChunkView):
+    """The store's side: keeps the set equal to the committed chunks. Not thread-safe: the
+    caller serializes (the store's event log does)."""
+
+    def __init__(
+        self, words: np.ndarray, epoch: int, max_batch_keys: int, max_age_s: float
+    ) -> None:
+        super().__init__(words)
+        slots = len(words) - HEADER_WORDS
+        if slots & (slots - 1):
+            raise ValueError("a view's slot count is a power of two")
+        self._live: set[int] = set()
+        self._used = 0  # live + tombstones
+        words[:] = 0
+        words[2], words[3], words[4] = epoch, slots, max_batch_keys
+        words[6] = int(max_age_s * 1e9)
+        self.alive()
+        words[0] = MAGIC
+
+    def alive(self) -> None:
+        """Say the store is alive (every ``max_age_s / 3`` or more often): one aligned word,
+        no seqlock needed."""
+        self._words[5] = time.monotonic_ns()
+
+    def _begin(self) -> None:
+        self._words[1] += 1  # odd: readers retry
+
+    def _end(self) -> None:
+        self._words[1] += 1
+
+    def apply(self, added: list[int], removed: list[int]) -> None:
+        if not added and not removed:
+            return
+        self._begin()
+        try:
+            for tag in removed:
+                if tag in self._live:
+                    self._live.discard(tag)
+                    self._remove(tag)
+            for tag in added:
+                if tag not in self._live:
+                    if (self._used + 1) > MAX_LOAD * len(self._slots):
+                        self._rebuild()
+                    self._live.add(tag)
+                    self._insert(tag)
+        finally:
+            self._end()
+
+    def retire(self) -> None:
+        """The store is closing: readers stop trusting the view (they ask the store, which
+        answers UNAVAILABLE, or STALE_EPOCH once a new incarnation serves)."""
+        self._begin()
+        self._words[0] = 0
+        self._end()
+
+    def clear(self) -> None:
+        self._begin()
+        self._live.clear()
+        self._slots[:] = EMPTY
+        self._used = 0
+        self._end()
+
+    def _insert(self, tag: int) -> None:
+        slots, mask = self._slots, self._mask
+        i = tag & mask
+        while True:
+            word = int(slots[i])
+            if word in (EMPTY, TOMBSTONE):
+                slots[i] = tag
+                if word == EMPTY:
+                    self._used += 1
+                return
+            i = (i + 1) & mask
+
+    def _remove(self, tag: int) -> None:
+        slots, mask = self._slots, self._mask
+        i = tag & mask
+        for _ in range(len(slots)):
+            word = int(slots[i])
+            if word == tag:
+                slots[i] = TOMBSTONE
+                return
+            if word == EMPTY:
+                return
+            i = (i + 1) & mask
+
+    def _rebuild(self) -> None:
+        """Drop the tombstones (inside the caller's write section)."""
+        self._slots[:] = EMPTY
+        self._used = 0
+        if len(self._live) + 1 > MAX_LOAD * len(self._slots):
+            # more chunks than the view was sized for (it is sized for one per pool page):
+            # keep what fits; a chunk left out reads as a miss, a lost hit, never a wrong byte
+            self._live = set(list(self._live)[: int(MAX_LOAD * len(self._slots)) - 1])
+        for tag in self._live:
+            self._insert(tag)
+
+
+def follow_events(writer: ChunkViewWriter) -> Callable[[Sequence[StoreEvent]], None]:
+    """An ``EventLog`` observer that keeps ``writer`` equal to the committed chunks."""
+
+    def observe(events: Sequence[StoreEvent]) -> None:
+        added: list[int] = []
+        removed: list[int] = []
+        for event in events:
+            if event.kind is EventKind.CLEARED:
+                writer.clear()
+                added, removed = [], []
+                continue
+            tags = [tag_of(event.namespace, k) for k in event.keys]
+            (added if event.kind is EventKind.STORED else removed).extend(tags)
+        writer.apply(added, removed)
+
+    return observe

@@ -1,0 +1,101 @@
+"""A lookup that misses costs the scheduler no round trip and no lookup thread: the connector
+asks the store's shared view of its chunks on vLLM's scheduler thread and answers 0 at once
+(``TierResolver.known_miss``). A hit still goes to the store, which leases it; with
+``store.fast_control`` off every lookup does, as before."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.connector.layout import KvGeometry, ModelIdentity
+from kvtier.connector.scheduler import ConnectorScheduler
+from kvtier.core.config import StoreConfig
+from kvtier.core.config.connector import ConnectorConfig
+from kvtier.testing.services import store_stats
+from kvtier.tiers import Tiers, connect
+
+from support.helpers import StoreProcess, start_store_process
+
+CHUNK = 64
+GEOMETRY = KvGeometry(("l0",), 32, 1024, CHUNK, "t")
+IDENTITY = ModelIdentity("m", "", "float32", 1, 1, tp_size=1, pp_size=1)
+CONFIG = ConnectorConfig(chunk_tokens=CHUNK, min_hit_tokens={"cpu": CHUNK}, verify_loads=False)
+
+
+@pytest.fixture
+def store(run_dir: Path) -> Iterator[StoreProcess]:
+    proc = start_store_process(run_dir, "16MiB")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _request(req_id: str, tokens: list[int]):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, tokens, SamplingParams(max_tokens=1), None)
+
+
+def _scheduler(address: str, fast: bool) -> ConnectorScheduler:
+    pool = connect(StoreConfig(address=address, fast_control=fast))
+    scheduler = ConnectorScheduler(CONFIG, GEOMETRY, IDENTITY, Tiers(pool))
+    scheduler.bind_blocks(lambda req_id: (list(range(1, 65)),), 0, lambda blocks: None)
+    return scheduler
+
+
+def _answer(scheduler: ConnectorScheduler, request) -> tuple[tuple[int | None, bool], int]:
+    """vLLM's answer once the lookup is back, and how many times vLLM had to ask."""
+    asked, deadline = 0, time.monotonic() + 10
+    while True:
+        asked += 1
+        hit = scheduler.get_num_new_matched_tokens(request, 0)
+        if hit[0] is not None:
+            return hit, asked
+        assert time.monotonic() < deadline
+
+
+def test_a_miss_is_answered_on_the_scheduler_thread_and_a_hit_by_the_store(
+    store: StoreProcess,
+) -> None:
+    scheduler = _scheduler(store.address, fast=True)
+    tokens = list(range(4, 4 + 4 * CHUNK + 1))
+    try:
+        # the namespace is registered by the first lookup (a round trip, on the lookup thread)
+        _answer(scheduler, _request("first", list(range(9000, 9000 + 2 * CHUNK + 1))))
+        lookups = store_stats(store.address, store.pid)["lookups"]  # type: ignore[index]
+        hit, asked = _answer(scheduler, _request("miss", tokens))
+        assert (hit, asked) == ((0, False), 1)  # answered in the first call: no thread
+        stats = scheduler.take_stats()
+        assert stats.get("lookups_known_miss") == 1 and stats.get("lookups") == 2
+        assert store_stats(store.address, store.pid)["lookups"] == lookups  # type: ignore[index]
+        # stored now: the same prompt is looked up, leased and hit
+        ns_id = scheduler.resolver.namespaces(scheduler._state(_request("seed", tokens)))[0]
+        chunks = [np.zeros(GEOMETRY.chunk_bytes, dtype=np.uint8)] * 4
+        scheduler.resolver.pool.put(ns_id, scheduler._requests["seed"].keys(0, 4, CHUNK), chunks)
+        hit, _ = _answer(scheduler, _request("hit", tokens))
+        assert hit[0] == 4 * CHUNK
+        assert scheduler.take_stats().get("lookups_known_miss", 0) == 0
+    finally:
+        scheduler.shutdown()
+        scheduler.resolver.pool.close()
+
+
+def test_without_fast_control_every_lookup_asks_the_store(store: StoreProcess) -> None:
+    scheduler = _scheduler(store.address, fast=False)
+    try:
+        _answer(scheduler, _request("first", list(range(9000, 9000 + 2 * CHUNK + 1))))
+        lookups = store_stats(store.address, store.pid)["lookups"]  # type: ignore[index]
+        hit, _ = _answer(scheduler, _request("miss", list(range(4, 4 + 4 * CHUNK + 1))))
+        assert hit == (0, False)
+        assert scheduler.take_stats().get("lookups_known_miss", 0) == 0
+        assert store_stats(store.address, store.pid)["lookups"] == lookups + 1  # type: ignore[index]
+    finally:
+        scheduler.shutdown()
+        scheduler.resolver.pool.close()

@@ -1,0 +1,235 @@
+"""The engine's hot path to a node store process: the control socket (framed protobuf on a
+Unix socket, ``kvtier.store.server.control``) answers exactly what gRPC answers, misses are
+answered from the store's shared view without a call, and a store killed and restarted under
+a client that reads the view is followed, never taken for an empty one."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.core.chunks import LookupStatus
+from kvtier.core.config import StoreConfig
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.core.keys import Namespace, prompt_keys
+from kvtier.store.api.types import LeaseStatus
+from kvtier.store.client import wire
+from kvtier.store.client.control import ControlChannel
+from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.store.proto import store_pb2 as pb
+from kvtier.testing.ports import free_port
+from kvtier.testing.services import start_store, store_stats
+from kvtier.tiers import connect
+
+CHUNK = 4096
+NS = Namespace(
+    model="ctl", dtype="uint8", num_layers=1, num_kv_heads=1, head_size=CHUNK, chunk_tokens=16
+)
+
+
+def keys_of(first_token: int, n: int) -> list[bytes]:
+    return prompt_keys(NS, np.arange(first_token, first_token + n * 16, dtype=np.uint32))
+
+
+def test_the_control_socket_answers_as_grpc_does(run_dir: Path) -> None:
+    store = start_store(run_dir, "16MiB", "ctl", remote=False)
+    fast = GrpcStoreClient(store.address)
+    slow = GrpcStoreClient(store.address, fast_control=False)
+    try:
+        info = fast.info()
+        assert fast.control is not None and slow.control is None
+        mode = os.stat(info.control_socket).st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+        ns_id = fast.register_namespace(NS, CHUNK)
+        assert slow.register_namespace(NS, CHUNK) == ns_id
+        for client, first in ((fast, 0), (slow, 10_000)):
+            keys = keys_of(first, 4)
+            written = client.allocate(ns_id, keys, [CHUNK] * 4)
+            assert written.lease_id and client.commit(written.lease_id, None, [0] * 4) == 4
+        # each reads what the other wrote, leased, the same way
+        for client in (fast, slow):
+            for first in (0, 10_000):
+                got = client.lookup(ns_id, keys_of(first, 6), 30.0)
+                assert (got.stop, len(got.hits)) == (LookupStatus.MISS, 4)
+                assert client.release([got.lease_id]) == [LeaseStatus.OK]
+        # errors: the same code and message on both paths
+        for call in (
+            lambda c: c.commit(999_999, None, []),
+            lambda c: c.allocate(ns_id, keys_of(0, 2), [CHUNK - 1] * 2),
+            lambda c: c.lookup(b"\1" * 16, keys_of(0, 2)),
+        ):
+            answers = []
+            for client in (fast, slow):
+                with pytest.raises(KvtierError) as err:
+                    call(client)
+                answers.append((err.value.code, err.value.message))
+            assert answers[0] == answers[1], answers
+        # a request of a previous incarnation is refused on the socket as over gRPC
+        assert fast.control is not None
+        with pytest.raises(KvtierError) as err:
+            fast.control.call("Release", pb.ReleaseRequest(epoch=info.epoch ^ 1, lease_ids=[1]))
+        assert err.value.code is ErrorCode.STALE_EPOCH
+
+        # a step's calls in one message: each answered, an error in one leaves the others
+        def lookup(first: int, n: int) -> pb.LookupRequest:
+            return pb.LookupRequest(epoch=info.epoch, ns_id=ns_id, keys=b"".join(keys_of(first, n)))
+
+        replies = fast.control.batch(
+            [
+                ("Lookup", lookup(0, 2)),
+                ("Commit", pb.CommitRequest(epoch=info.epoch, lease_id=999_999)),
+                ("Lookup", lookup(10_000, 3)),
+            ]
+        )
+        answers = [r.code if isinstance(r, KvtierError) else r.hits for r in replies]
+        assert answers[1] is ErrorCode.UNKNOWN_LEASE
+        assert [len(wire.locations_from_pb(a)) for a in (answers[0], answers[2])] == [2, 3]
+    finally:
+        fast.close()
+        slow.close()
+        store.stop()
+
+
+def test_a_miss_is_answered_from_the_view_without_a_call(run_dir: Path) -> None:
+    store = start_store(run_dir, "16MiB", "view", remote=False)
+    client = GrpcStoreClient(store.address)
+    try:
+        ns_id = client.register_namespace(NS, CHUNK)
+        before = store_stats(store.address, store.pid)
+        assert before is not None
+        for first in range(0, 1600, 16 * 4):  # 25 misses
+            got = client.lookup(ns_id, keys_of(first, 4), 30.0)
+            assert (got.hits, got.lease_id) == ([], 0)
+        assert client.view_misses == 25
+        after = store_stats(store.address, store.pid)
+        assert after is not None and after["lookups"] == before["lookups"]  # not one call
+        # the view follows the store: stored, then hit (a call); deleted, then a miss again
+        keys = keys_of(50_000, 3)
+        written = client.allocate(ns_id, keys, [CHUNK] * 3)
+        client.commit(written.lease_id, None, [0] * 3)
+        got = client.lookup(ns_id, keys, 30.0)
+        assert len(got.hits) == 3
+        client.release([got.lease_id])
+        assert client.delete(ns_id, keys[:1]) == 1
+        misses = client.view_misses
+        assert client.lookup(ns_id, keys).hits == []
+        assert client.view_misses == misses + 1
+    finally:
+        client.close()
+        store.stop()
+
+
+def test_a_store_killed_and_restarted_under_a_reading_client_is_followed(run_dir: Path) -> None:
+    """SIGKILL: the store cannot retire its view, whose stale contents stay mapped. The client
+    must not answer from it past the store's alive bound; once a new incarnation serves on
+    the same address, the client re-attaches (its next calls say STALE_EPOCH), maps the new
+    view and finds what was stored there."""
+    port = free_port()
+    env = {"KVTIER_STORE__SESSION_TIMEOUT_S": "1.0"}  # the view's alive bound: ~0.75 s
+    first = start_store(run_dir, "16MiB", "restart", remote=False, env=env, grpc_port=port)
+    tier = connect(StoreConfig(address=first.address))
+    try:
+        ns_id = tier.register_namespace(NS, CHUNK)
+        old_socket = tier.info.control_socket
+        assert tier.lookup(ns_id, keys_of(0, 2)).hits == []  # from the view
+        first.stop(signal.SIGKILL)
+        time.sleep(1.0)  # past the alive bound
+        assert not tier.known_miss(ns_id, keys_of(0, 2))  # no answer from a dead store's view
+        second = start_store(run_dir, "16MiB", "restart", remote=False, env=env, grpc_port=port)
+        try:
+            with connect(StoreConfig(address=second.address)) as writer:
+                ns2 = writer.register_namespace(NS, CHUNK)
+                writer.put(ns2, keys_of(0, 2), [np.zeros(CHUNK, np.uint8)] * 2)
+            deadline = time.monotonic() + 20
+            while True:  # the old client: re-attaches on STALE_EPOCH, then hits
+                try:
+                    if len(tier.lookup(ns_id, keys_of(0, 2)).hits) == 2:
+                        break
+                except KvtierError as exc:
+                    assert exc.code is ErrorCode.UNAVAILABLE, exc
+                assert time.monotonic() < deadline, "the client never followed the restart"
+                time.sleep(0.1)
+            assert tier.info.control_socket != old_socket
+            assert not Path(old_socket).exists()  # the crashed store's socket was removed
+            assert tier.lookup(ns_id, keys_of(99_000, 2)).hits == []
+            assert tier.known_miss(ns_id, keys_of(99_000, 2))  # the new view answers
+        finally:
+            second.stop()
+    finally:
+        tier.close()
+
+
+def test_another_uid_cannot_use_the_control_socket(run_dir: Path) -> None:
+    """0600 and the kernel's SO_PEERCRED: a process of another uid is refused (as root here,
+    run the probe as nobody)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a probe as another uid")
+    base = Path(tempfile.mkdtemp())
+    base.chmod(0o711)  # nobody may reach the run dir's entries: only the socket's mode refuses
+    run_dir = base / "run"
+    run_dir.mkdir(mode=0o711)
+    store = start_store(run_dir, "16MiB", "uid", remote=False)
+    try:
+        path = GrpcStoreClient(store.address, fast_control=False).info().control_socket
+        probe = (
+            "import os, socket, sys\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            "try:\n"
+            "    s.connect(sys.argv[1])\n"
+            "except OSError as e:\n"
+            "    print('refused', e.errno)\n"
+            "else:\n"
+            "    print('connected')\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", probe, path], capture_output=True, text=True, timeout=30
+        )
+        assert out.stdout.startswith("refused"), out
+        assert out.stdout.split()[1] == str(errno.EACCES), out
+    finally:
+        store.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_channel_refuses_a_socket_another_uid_serves() -> None:
+    """The socket's path comes in the store's reply: the client hands its token only to a
+    socket its own uid serves (SO_PEERCRED), so a path naming someone else's socket gets
+    nothing."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to serve a socket as another uid")
+    base = Path(tempfile.mkdtemp())
+    base.chmod(0o777)  # nobody serves a socket here
+    path = base / "other.sock"
+    server = (
+        "import os, socket, sys\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); os.chmod(sys.argv[1], 0o777)\n"
+        "s.listen(1); print('ready', flush=True)\n"
+        "c, _ = s.accept(); data = c.recv(4096); print(repr(data), flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", server, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        channel = ControlChannel(str(path), "secret-token", timeout_s=2)
+        request = pb.ReleaseRequest(epoch=1, lease_ids=[1])
+        with pytest.raises(Exception, match="not served by uid"):
+            channel.call("Release", request)
+        proc.wait(5)
+        assert "secret-token" not in proc.stdout.read()
+    finally:
+        proc.kill()
+        shutil.rmtree(base, ignore_errors=True)
