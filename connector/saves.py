@@ -2,14 +2,15 @@
 the workers, commits only for bytes computed over valid KV.
 
 Per step, ``plan`` asks the store for pool pages for every chunk the step completes (on the
-``kvtier-alloc`` thread, one call per request and rank) and waits at most ``save_wait_s`` for
-the answers, so a slow or hung store never stalls vLLM's scheduler. An allocation that is late
-is sent in a later step instead (the chunk's blocks do not change while the request lives;
+``kvtier-alloc`` thread, one call for every request and rank of the step: one message on the
+store's control socket) and waits at most ``save_wait_s`` for the answers, so a slow or hung
+store never stalls vLLM's scheduler. An allocation that is late is sent in a later step instead (the chunk's blocks do not change while the request lives;
 when it finishes first, ``finish`` tells vLLM to hold its blocks until the copy, and the
 workers report the request as finished sending once done); one later than ``save_defer_s`` is
 given up (a future miss, never a wrong byte).
 
-A save commits when every rank reported its copy, unless ``taint`` saw a failed load of any
+A save commits when every rank reported its copy (the saves one step's reports complete commit
+in one call, on ``kvtier-ops``), unless ``taint`` saw a failed load of any
 block the chunks were computed over (the chunk's own blocks or any before them): vLLM
 computed that step over KV that was never loaded, so those bytes are garbage under correct
 keys and are aborted instead. The same holds for another request sharing the failed blocks.
@@ -44,7 +45,7 @@ from kvtier.connector.metadata import ChunkCopy, SaveJob
 from kvtier.core.chunks import SegmentRef
 from kvtier.core.config.connector import ConnectorConfig
 from kvtier.core.errors import KvtierError
-from kvtier.store.api.types import AllocateResult, AllocStatus
+from kvtier.store.api.types import AllocateCall, AllocateResult, AllocStatus, CommitCall
 from kvtier.tiers.base import PoolTier
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,16 @@ class Allocation:
     session_generation: int  # the store session its write leases belong to
     step: int = 0  # the planner step that read its blocks
     dropped: bool = False
+
+
+@dataclass(frozen=True)
+class AllocationAsk:
+    """An allocation of one step, answered through ``future`` by the step's one pool call."""
+
+    future: Future[dict[int, AllocateResult]]
+    state: RequestState
+    start: int
+    end: int
 
 
 @dataclass
@@ -126,7 +137,10 @@ class SavePlanner:
                 # nothing was copied: the request saves these chunks once it recomputes them
                 alloc.state.saved_upto = min(alloc.state.saved_upto, alloc.start)
         self._block_ids_of = block_ids_of
-        started = [self._request(*item, block_ids_of) for item in scheduled]
+        asks: list[AllocationAsk] = []
+        started = [self._request(*item, block_ids_of, asks) for item in scheduled]
+        if asks:  # the step's allocations: one task, one message to the store
+            self._alloc.submit(self._allocate_step, asks)
         fresh = [a.future for a in started if a is not None]
         if fresh:
             wait_futures(fresh, timeout=self.config.save_wait_s)
@@ -158,6 +172,7 @@ class SavePlanner:
         computed: int,
         count: int,
         block_ids_of: Callable[[str], GroupBlocks],
+        asks: list[AllocationAsk],
     ) -> Allocation | None:
         geo = self.geometry
         request = state.request
@@ -182,7 +197,8 @@ class SavePlanner:
             return None
         bpc = geo.blocks_per_chunk
         computed_over = frozenset(real_blocks(geo, blocks, 0, end * bpc, self.null_block))
-        future = self._alloc.submit(self._allocate, state, start, end)
+        future: Future[dict[int, AllocateResult]] = Future()
+        asks.append(AllocationAsk(future, state, start, end))
         alloc = Allocation(
             state,
             start,
@@ -197,24 +213,54 @@ class SavePlanner:
         self._waiting.append(alloc)
         return alloc
 
-    def _allocate(self, state: RequestState, start: int, end: int) -> dict[int, AllocateResult]:
-        """On the alloc thread: the request's namespaces (registered if need be), the chunks'
-        keys, and pool space for every rank, or none (aborting what was got)."""
-        out: dict[int, AllocateResult] = {}
-        if self._closing:
-            return out
+    def _allocate_step(self, asks: list[AllocationAsk]) -> None:
+        """On the alloc thread: one step's allocations, every request and rank in one call to
+        the pool (one message to a store that takes batches). Each request's future gets pool
+        space for every rank, or an error (with whatever its other ranks got aborted)."""
         geo = self.geometry
-        ns_ids = self._namespaces_of(state)
+        calls: list[AllocateCall] = []
+        owners: list[tuple[AllocationAsk, int]] = []
+        asked: list[AllocationAsk] = []
+        for ask in asks:
+            if not ask.future.set_running_or_notify_cancel():
+                continue
+            if self._closing:
+                ask.future.set_result({})
+                continue
+            try:
+                ns_ids = self._namespaces_of(ask.state)  # registered if need be
+                for rank, ns_id in ns_ids.items():
+                    keys = ask.state.keys(rank, ask.end, geo.chunk_tokens)[ask.start : ask.end]
+                    calls.append(AllocateCall(ns_id, keys, [geo.chunk_bytes] * len(keys)))
+                    owners.append((ask, rank))
+            except Exception as exc:
+                ask.future.set_exception(exc)
+                continue
+            asked.append(ask)
+        if not asked:
+            return
         try:
-            for rank, ns_id in ns_ids.items():
-                keys = state.keys(rank, end, geo.chunk_tokens)[start:end]
-                out[rank] = self.tier.allocate_chunks(ns_id, keys, [geo.chunk_bytes] * len(keys))
-        except BaseException:
-            for result in out.values():
+            results: list[AllocateResult | KvtierError] = self.tier.allocate_many(calls)
+        except Exception as exc:
+            for ask in asked:
+                ask.future.set_exception(exc)
+            return
+        got: dict[int, dict[int, AllocateResult]] = {id(ask): {} for ask in asked}
+        errors: dict[int, KvtierError] = {}
+        for (ask, rank), result in zip(owners, results, strict=True):
+            if isinstance(result, KvtierError):
+                errors.setdefault(id(ask), result)
+            else:
+                got[id(ask)][rank] = result
+        for ask in asked:
+            error = errors.get(id(ask))
+            if error is None:
+                ask.future.set_result(got[id(ask)])
+                continue
+            for result in got[id(ask)].values():  # a request needs every rank's space
                 if result.lease_id:
                     self._quiet_abort(result.lease_id)
-            raise
-        return out
+            ask.future.set_exception(error)
 
     def _dispatch(self, alloc: Allocation) -> SaveJob | None:
         try:
@@ -299,6 +345,7 @@ class SavePlanner:
                 alloc.state.saved_upto = min(alloc.state.saved_upto, alloc.start)
 
     def on_reports(self, saved: dict[int, set[int]], failed: dict[int, set[int]]) -> None:
+        commits: list[CommitCall] = []
         for job_id in failed:
             pending = self._pending.pop(job_id, None)
             if pending is not None:
@@ -311,7 +358,9 @@ class SavePlanner:
             if pending.done_ranks >= set(pending.leases):
                 del self._pending[job_id]
                 for rank, lease_id in pending.leases.items():
-                    self._ops.submit(self._commit, lease_id, pending.counts[rank])
+                    commits.append(CommitCall(lease_id, None, [0] * pending.counts[rank]))
+        if commits:  # every save these reports completed: one task, one message
+            self._ops.submit(self._commit_step, commits)
 
     def _abort_pending(self, pending: PendingSave, why: Counter) -> None:
         self._count(why, sum(pending.counts.values()))
@@ -367,13 +416,18 @@ class SavePlanner:
             if result.lease_id:
                 self._quiet_abort(result.lease_id)
 
-    def _commit(self, lease_id: int, n: int) -> None:
+    def _commit_step(self, commits: list[CommitCall]) -> None:
         try:
-            self.tier.commit(lease_id, None, [0] * n)
-            self._count(C.COMMITTED_CHUNKS, n)
+            results: list[int | KvtierError] = self.tier.commit_many(commits)
         except KvtierError as exc:
-            log.warning("kvtier: commit of %d chunks failed: %s", n, exc)
-            self._count(C.SAVE_ERRORS, 1)
+            results = [exc] * len(commits)
+        for call, result in zip(commits, results, strict=True):
+            if isinstance(result, KvtierError):
+                n = len(call.checksums)
+                log.warning("kvtier: commit of %d chunks failed: %s", n, result)
+                self._count(C.SAVE_ERRORS, 1)
+            else:
+                self._count(C.COMMITTED_CHUNKS, len(call.checksums))
 
     def _quiet_abort(self, lease_id: int) -> None:
         try:

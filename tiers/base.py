@@ -20,10 +20,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.core.chunks import SegmentRef
+from kvtier.core.errors import KvtierError
 from kvtier.core.keys import Namespace
 from kvtier.store.api import StoreInfo
 from kvtier.store.api.remote import FetchResult
-from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult
+from kvtier.store.api.types import (
+    AllocateCall,
+    AllocateResult,
+    CommitCall,
+    LeaseStatus,
+    LookupResult,
+)
 
 
 class PoolTier(abc.ABC):
@@ -114,6 +121,27 @@ class PoolTier(abc.ABC):
         ttl_s: float | None = None,
     ) -> AllocateResult:
         """Pages for chunks about to be written, evicting unpinned chunks as needed."""
+
+    def allocate_many(self, calls: Sequence[AllocateCall]) -> list[AllocateResult | KvtierError]:
+        """``allocate_chunks`` for several namespaces' chunks at once: one message to a store
+        that takes batches (an engine step's saves), each answered or refused on its own."""
+        out: list[AllocateResult | KvtierError] = []
+        for call in calls:
+            try:
+                out.append(self.allocate_chunks(call.ns_id, call.keys, call.sizes))
+            except KvtierError as exc:
+                out.append(exc)
+        return out
+
+    def commit_many(self, calls: Sequence[CommitCall]) -> list[int | KvtierError]:
+        """``commit`` of several leases at once (one message where the store takes batches)."""
+        out: list[int | KvtierError] = []
+        for call in calls:
+            try:
+                out.append(self.commit(call.lease_id, call.keys, call.checksums))
+            except KvtierError as exc:
+                out.append(exc)
+        return out
 
     @abc.abstractmethod
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:

@@ -20,7 +20,13 @@ from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace
 from kvtier.store.api import StoreAdmin, StoreClient, StoreInfo
 from kvtier.store.api.remote import FetchResult
-from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult
+from kvtier.store.api.types import (
+    AllocateCall,
+    AllocateResult,
+    CommitCall,
+    LeaseStatus,
+    LookupResult,
+)
 from kvtier.store.client.shm import SharedSegment
 from kvtier.tiers.cpu_io import PoolBytes
 
@@ -64,6 +70,7 @@ class CpuTier(PoolBytes):
             if exc.code is not ErrorCode.UNAVAILABLE:
                 raise
         self._owns_segment = segment is None
+        self._in_process = store.local_segment() is not None
         self._segment = segment  # mapped on first use: control-only users never map the pool
         self._namespaces: OrderedDict[bytes, tuple[Namespace, int]] = OrderedDict()
         self._max_namespaces = max_namespaces
@@ -142,7 +149,8 @@ class CpuTier(PoolBytes):
             return ns_id
 
     def known_miss(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
-        return self.store.known_miss(ns_id, keys)
+        # an embedded store's lookup is a call in this process: no view needed
+        return not self._in_process and self.store.known_miss(ns_id, keys)
 
     def forget_namespace(self, ns_id: bytes) -> None:
         """The store does not know ``ns_id`` (UNKNOWN_NAMESPACE): register it again next time."""
@@ -168,6 +176,20 @@ class CpuTier(PoolBytes):
         """Reserve pool pages for ``keys`` under a write lease (``WriteLease`` wraps this for
         byte-level callers). The extents belong to ``result.epoch``."""
         return self._retrying(lambda: self.store.allocate(ns_id, keys, sizes, ttl_s))
+
+    def allocate_many(self, calls: Sequence[AllocateCall]) -> list[AllocateResult | KvtierError]:
+        """After a store restart (every answer STALE_EPOCH) re-attach once and ask again."""
+        if self._info is None:
+            self.reattach()
+        results = self.store.allocate_many(calls)
+        stale = [r for r in results if isinstance(r, KvtierError)]
+        if stale and all(r.code is ErrorCode.STALE_EPOCH for r in stale):
+            self.reattach()
+            results = self.store.allocate_many(calls)
+        return results
+
+    def commit_many(self, calls: Sequence[CommitCall]) -> list[int | KvtierError]:
+        return self.store.commit_many(calls)  # never retried: leases do not survive a restart
 
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
         # Never retried after a restart: leases do not survive one.

@@ -43,7 +43,14 @@ from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace
 from kvtier.store.api.events import EventBatch, EventGap
 from kvtier.store.api.remote import FetchResult
-from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
+from kvtier.store.api.types import (
+    AllocateCall,
+    AllocateResult,
+    CommitCall,
+    LeaseStatus,
+    LookupResult,
+    Snapshot,
+)
 
 if TYPE_CHECKING:
     from kvtier.store.client.shm import SharedSegment
@@ -145,6 +152,30 @@ class StoreClient(StoreHandle):
 
     @abc.abstractmethod
     def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int: ...
+
+    def allocate_many(
+        self, calls: Sequence[AllocateCall], *, session: int = 0
+    ) -> list[AllocateResult | KvtierError]:
+        """Several allocations, in one message where the transport has one (the control
+        socket's BATCH: an engine step's saves cost one round trip); each answered, or refused
+        with its error, on its own. Here: one call after the other."""
+        out: list[AllocateResult | KvtierError] = []
+        for call in calls:
+            try:
+                out.append(self.allocate(call.ns_id, call.keys, call.sizes, session=session))
+            except KvtierError as exc:
+                out.append(exc)
+        return out
+
+    def commit_many(self, calls: Sequence[CommitCall]) -> list[int | KvtierError]:
+        """Several commits, in one message where the transport has one (``allocate_many``)."""
+        out: list[int | KvtierError] = []
+        for call in calls:
+            try:
+                out.append(self.commit(call.lease_id, call.keys, call.checksums))
+            except KvtierError as exc:
+                out.append(exc)
+        return out
 
     @abc.abstractmethod
     def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]: ...

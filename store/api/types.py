@@ -4,6 +4,7 @@ codec and the store itself share them)."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.core.chunks import ChunkLocation, LookupStatus
@@ -46,3 +47,21 @@ class AllocateResult:
 class Snapshot:
     seq: int  # events up to and including seq are reflected; read on from seq + 1
     chunks: dict[bytes, list[bytes]]  # namespace id -> committed keys
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateCall:
+    """One allocation of a batch (``StoreClient.allocate_many``)."""
+
+    ns_id: bytes
+    keys: Sequence[bytes]
+    sizes: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitCall:
+    """One commit of a batch (``StoreClient.commit_many``); ``keys=None``: the whole lease."""
+
+    lease_id: int
+    keys: Sequence[bytes] | None
+    checksums: Sequence[int]

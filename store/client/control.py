@@ -145,7 +145,14 @@ class ControlChannel:
         try:
             sock.sendall(frame)
             return _read_reply(sock)
-        except OSError as exc:  # store gone or restarted, or a timeout: this socket is done
+        except TimeoutError:
+            # the store may have acted on the request: never sent again elsewhere, as a gRPC
+            # call past its deadline is not (this socket's reply stream is out of step: closed)
+            self._drop(sock)
+            raise KvtierError(
+                ErrorCode.UNAVAILABLE, f"store {self.path}: no answer in {self._timeout_s} s"
+            ) from None
+        except OSError as exc:  # store gone or restarted: this socket is done
             self._drop(sock)
             raise ControlUnreachable(str(exc)) from None
 
@@ -173,13 +180,10 @@ def peer_uid(sock: socket.socket) -> int:
 
 
 def _read_reply(sock: socket.socket) -> tuple[int, bytes]:
-    try:
-        length, status = HEADER.unpack(recv_exact(sock, HEADER.size))
-        if length > MAX_FRAME:
-            raise ConnectionError("reply too large")
-        return status, recv_exact(sock, length)
-    except ConnectionError as exc:
-        raise OSError(str(exc)) from None
+    length, status = HEADER.unpack(recv_exact(sock, HEADER.size))
+    if length > MAX_FRAME:
+        raise ConnectionError("reply too large")
+    return status, recv_exact(sock, length)
 
 
 def _error(payload: bytes) -> KvtierError:

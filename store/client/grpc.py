@@ -40,7 +40,14 @@ from kvtier.core.keys import Namespace, pack_keys, unpack_keys
 from kvtier.store.api import StoreAdmin, StoreClient, StoreInfo
 from kvtier.store.api.events import EventBatch, EventGap
 from kvtier.store.api.remote import FetchResult
-from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
+from kvtier.store.api.types import (
+    AllocateCall,
+    AllocateResult,
+    CommitCall,
+    LeaseStatus,
+    LookupResult,
+    Snapshot,
+)
 from kvtier.store.client import wire
 from kvtier.store.client.control import METHODS as CONTROL_METHODS
 from kvtier.store.client.control import ControlChannel, ControlUnreachable
@@ -285,11 +292,66 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             )
             return self._call("Allocate", request)
 
-        reply = self._with_session(session, call)
-        statuses = [wire.ALLOC_STATUS_BACK[s] for s in reply.statuses]
-        allocated = iter(wire.locations_from_pb(reply.allocated))
-        locations = [next(allocated) if s.value == "allocated" else None for s in statuses]
-        return AllocateResult(reply.lease_id, statuses, locations, epoch, reply.lease_ttl_s)
+        return _allocated(self._with_session(session, call), epoch)
+
+    def allocate_many(
+        self, calls: Sequence[AllocateCall], *, session: int = 0
+    ) -> list[AllocateResult | KvtierError]:
+        """On the control socket: every allocation in one message (one round trip)."""
+        control = self._control
+        if control is None or len(calls) < 2:
+            return super().allocate_many(calls, session=session)
+        epoch = self.epoch
+        for call in calls:
+            if any(size < 0 for size in call.sizes):
+                raise KvtierError(ErrorCode.INVALID_ARGUMENT, "chunk sizes must be >= 0")
+
+        def send(session: int) -> list[Any]:
+            requests = [
+                pb.AllocateRequest(
+                    epoch=epoch,
+                    ns_id=c.ns_id,
+                    keys=pack_keys(c.keys),
+                    sizes=c.sizes,
+                    session=session,
+                )
+                for c in calls
+            ]
+            try:
+                replies = control.batch([("Allocate", r) for r in requests])
+            except ControlUnreachable:
+                raise KvtierError(ErrorCode.UNAVAILABLE, "control socket: no answer") from None
+            first_error = next((r for r in replies if isinstance(r, KvtierError)), None)
+            if first_error is not None and first_error.code is ErrorCode.UNKNOWN_SESSION:
+                raise first_error  # the session is reopened and the batch sent again
+            return replies
+
+        try:
+            replies = self._with_session(session, send)
+        except KvtierError as exc:
+            if exc.code is not ErrorCode.UNAVAILABLE:
+                raise
+            return super().allocate_many(calls, session=session)  # over gRPC, call by call
+        return [r if isinstance(r, KvtierError) else _allocated(r, epoch) for r in replies]
+
+    def commit_many(self, calls: Sequence[CommitCall]) -> list[int | KvtierError]:
+        control = self._control
+        if control is None or len(calls) < 2:
+            return super().commit_many(calls)
+        requests = [
+            pb.CommitRequest(
+                epoch=self.epoch,
+                lease_id=c.lease_id,
+                keys=pack_keys(c.keys) if c.keys is not None else b"",
+                checksums=c.checksums,
+            )
+            for c in calls
+        ]
+        try:
+            replies = control.batch([("Commit", r) for r in requests])
+        except ControlUnreachable:
+            return super().commit_many(calls)  # over gRPC, which answers or says why
+        return [r if isinstance(r, KvtierError) else r.committed for r in replies]
 
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
         request = pb.CommitRequest(
@@ -504,6 +566,13 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             self._control.close()
         self._view = None  # the mapping goes with the segment's last reference
         self._channel.close()  # a heartbeat in flight is cancelled; the thread then stops
+
+
+def _allocated(reply: Any, epoch: int) -> AllocateResult:
+    statuses = [wire.ALLOC_STATUS_BACK[s] for s in reply.statuses]
+    allocated = iter(wire.locations_from_pb(reply.allocated))
+    locations = [next(allocated) if s.value == "allocated" else None for s in statuses]
+    return AllocateResult(reply.lease_id, statuses, locations, epoch, reply.lease_ttl_s)
 
 
 def verify_store(

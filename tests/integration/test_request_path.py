@@ -75,8 +75,16 @@ STATE_MACHINE = [  # StoreCore's lookup and the components it calls
     "store/state/pages.py",
     "store/state/sessions.py",
 ]
-GRPC_CLIENT = ["store/client/grpc.py", "store/client/wire.py"]
-GRPC_SERVER = ["store/client/wire.py", "store/server/grpc.py"]
+# a served store: the client (its control socket for the lease, the shared view that says the
+# lookup is no known miss) and the servicer (reached through the control socket)
+GRPC_CLIENT = [
+    "store/client/control.py",
+    "store/client/grpc.py",
+    "store/client/view.py",
+    "store/client/wire.py",
+]
+GRPC_SERVER = ["store/client/wire.py", "store/server/control.py", "store/server/grpc.py"]
+PEER_SERVER = ["store/client/wire.py", "store/server/grpc.py"]  # a peer store calls over gRPC
 
 DRAM_EMBEDDED = {
     "engine": sorted([*ENGINE, "store/node.py", *STATE_MACHINE]),
@@ -101,7 +109,7 @@ REMOTE = {
         ]
     ),
     "engine (plumbing)": ["core/chunks.py", "core/keys.py"],
-    "holder": sorted([*GRPC_SERVER, *STATE_MACHINE, "store/remote/fetch.py"]),
+    "holder": sorted([*PEER_SERVER, *STATE_MACHINE, "store/remote/fetch.py"]),
     "holder (plumbing)": ["core/auth.py", "core/keys.py", "core/rpc.py"],
     "store": sorted(
         [
@@ -114,6 +122,7 @@ REMOTE = {
             "store/remote/mooncake.py",
             "store/remote/peers.py",
             "store/remote/transport.py",
+            "store/client/view.py",  # the pulled chunks' commit, in the node's shared view
             "store/state/eventlog.py",
             "store/state/quotas.py",
         ]
@@ -160,6 +169,13 @@ class Recorder:
                 side = self.store_sides.get(servicer.epoch)  # type: ignore[union-attr]
                 if side is not None:
                     stack.append((frame, side, method.__name__))
+        if rel == "store/server/control.py" and frame.f_code.co_name == "_answer":
+            from kvtier.store.server.control import OPS  # the control socket's requests
+
+            server, op = frame.f_locals.get("self"), frame.f_locals.get("op")
+            side = self.store_sides.get(server.servicer.epoch)  # type: ignore[union-attr]
+            if side is not None and op in OPS:
+                stack.append((frame, side, OPS[op][0]))
         if rel.startswith(NOT_PRODUCT) or "_pb2" in rel:
             return
         name = threading.current_thread().name
@@ -239,6 +255,8 @@ def settle(rig: Any, core: Any, chunks: int) -> None:
     deadline = time.monotonic() + 10
     while core.stats()["chunks"] < chunks or core.unsummed_count():
         assert time.monotonic() < deadline, f"the store never held {chunks} checksummed chunks"
+        if rig.scheduler.has_requests():  # a finished request held for a save sent late
+            rig.step()
         time.sleep(0.01)
     sched = rig.connector.scheduler
     for executor in (sched._lookups, sched._ops, sched._alloc):

@@ -49,7 +49,7 @@ def test_a_recompute_right_after_a_failed_load_saves_what_the_aborted_save_had(
     scheduler thread (here a slow one, stalled until the recompute's step has run); the
     recompute's allocation must not run before it, or it finds chunk 5 still IN_PROGRESS
     under the aborted lease and skips it: the chunk would never be saved again."""
-    rig = make_rig(served=True)
+    rig = make_rig(served=True, save_wait_s=1.0)  # chunk 5's pool space, in its own step
     rig.seed(PROMPT)
     request = rig.request("r", PROMPT + TAIL)
     assert rig.lookup(request) == 160
