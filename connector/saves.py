@@ -4,8 +4,8 @@ the workers, commits only for bytes computed over valid KV.
 Per step, ``plan`` asks the store for pool pages for every chunk the step completes (on the
 ``kvtier-alloc`` thread, one call for every request and rank of the step: one message on the
 store's control socket) and waits at most ``save_wait_s`` for the answers, so a slow or hung
-store never stalls vLLM's scheduler. An allocation that is late is sent in a later step instead (the chunk's blocks do not change while the request lives;
-when it finishes first, ``finish`` tells vLLM to hold its blocks until the copy, and the
+store never stalls vLLM's scheduler. An allocation that is late is sent in a later step
+instead (the chunk's blocks do not change while the request lives; when it finishes first, ``finish`` tells vLLM to hold its blocks until the copy, and the
 workers report the request as finished sending once done); one later than ``save_defer_s`` is
 given up (a future miss, never a wrong byte).
 
