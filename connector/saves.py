@@ -5,15 +5,16 @@ Per step, ``plan`` asks the store for pool pages for every chunk the step comple
 ``kvtier-alloc`` thread, one call for every request and rank of the step: one message on the
 store's control socket) and waits at most ``save_wait_s`` for the answers, so a slow or hung
 store never stalls vLLM's scheduler. An allocation that is late is sent in a later step
-instead (the chunk's blocks do not change while the request lives; when it finishes first, ``finish`` tells vLLM to hold its blocks until the copy, and the
-workers report the request as finished sending once done); one later than ``save_defer_s`` is
-given up (a future miss, never a wrong byte).
+instead (the chunk's blocks do not change while the request lives; when it finishes first,
+``finish`` tells vLLM to hold its blocks until the copy, and the workers report the request
+as finished sending once done); one later than ``save_defer_s`` is given up (a future miss,
+never a wrong byte).
 
-A save commits when every rank reported its copy (the saves one step's reports complete commit
-in one call, on ``kvtier-ops``), unless ``taint`` saw a failed load of any
-block the chunks were computed over (the chunk's own blocks or any before them): vLLM
-computed that step over KV that was never loaded, so those bytes are garbage under correct
-keys and are aborted instead. The same holds for another request sharing the failed blocks.
+A save commits when every rank reported its copy (the saves one step's reports complete
+commit in one call, on ``kvtier-ops``), unless ``taint`` saw a failed load of any block the
+chunks were computed over (the chunk's own blocks or any before them): vLLM computed that
+step over KV that was never loaded, so those bytes are garbage under correct keys and are
+aborted instead. The same holds for another request sharing the failed blocks.
 
 A save aborted because its request will compute its chunks again (preempted while waiting for
 pool space, computed over a failed load, a copy that failed) moves the request's
