@@ -45,6 +45,23 @@ def recv_exact(conn: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def recv_frame(conn: socket.socket) -> tuple[int, bytes]:
+    """One frame: (opcode or status, payload). A peer has one message in flight per
+    connection, so the first read may take the whole frame (one syscall, not two)."""
+    first = conn.recv(65536)
+    if not first:
+        raise ConnectionError("peer closed")
+    if len(first) < HEADER.size:
+        first += recv_exact(conn, HEADER.size - len(first))
+    length, kind = HEADER.unpack_from(first)
+    if length > MAX_FRAME:
+        raise ConnectionError(f"a frame of {length} bytes (at most {MAX_FRAME})")
+    body = first[HEADER.size :]
+    if len(body) < length:
+        body += recv_exact(conn, length - len(body))
+    return kind, body
+
+
 def error_payload(exc: KvtierError) -> bytes:
     return f"{exc.code.value}\0{exc.message}".encode()
 
@@ -180,10 +197,7 @@ def peer_uid(sock: socket.socket) -> int:
 
 
 def _read_reply(sock: socket.socket) -> tuple[int, bytes]:
-    length, status = HEADER.unpack(recv_exact(sock, HEADER.size))
-    if length > MAX_FRAME:
-        raise ConnectionError("reply too large")
-    return status, recv_exact(sock, length)
+    return recv_frame(sock)
 
 
 def _error(payload: bytes) -> KvtierError:

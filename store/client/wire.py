@@ -79,13 +79,21 @@ def locations_to_pb(locations: list[ChunkLocation]) -> pb.Locations:
 
 
 def locations_from_pb(msg: pb.Locations) -> list[ChunkLocation]:
+    # the repeated fields copied to lists first: indexing protobuf's containers one element
+    # at a time costs more than the rest of a lookup's decoding (the hot path's reply)
     keys = unpack_keys(msg.keys)
+    sizes, checksums, counts = list(msg.sizes), list(msg.checksums), list(msg.extent_counts)
     offsets, lengths = list(msg.extent_offsets), list(msg.extent_lengths)
+    if len(offsets) == len(keys) and all(c == 1 for c in counts):  # a run of pages each
+        return [
+            ChunkLocation(key, size, ((off, length),), checksum)
+            for key, size, off, length, checksum in zip(
+                keys, sizes, offsets, lengths, checksums, strict=True
+            )
+        ]
     out = []
     pos = 0
-    for key, size, checksum, count in zip(
-        keys, msg.sizes, msg.checksums, msg.extent_counts, strict=True
-    ):
+    for key, size, checksum, count in zip(keys, sizes, checksums, counts, strict=True):
         extents = tuple(zip(offsets[pos : pos + count], lengths[pos : pos + count], strict=True))
         pos += count
         out.append(ChunkLocation(key, size, extents, checksum))

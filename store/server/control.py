@@ -48,13 +48,13 @@ from kvtier.store.client.control import (
     HEADER,
     HELLO,
     LOOKUP,
-    MAX_FRAME,
     OK,
     RELEASE,
     RENEW,
     error_payload,
     peer_uid,
     recv_exact,
+    recv_frame,
 )
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.server.grpc import StoreServicer
@@ -127,10 +127,7 @@ class ControlServer:
             principal = self._hello(conn)
             with rpc.acting_as(principal):  # the tenant gate reads the caller from here
                 while True:
-                    length, op = HEADER.unpack(recv_exact(conn, HEADER.size))
-                    if length > MAX_FRAME:
-                        return  # not a client of this protocol: drop it
-                    payload = recv_exact(conn, length)
+                    op, payload = recv_frame(conn)  # too large a frame: dropped
                     if op == BATCH:
                         conn.sendall(self._batch(payload))
                     else:
