@@ -378,6 +378,14 @@ class ConnectorWorker:
 
     # -- segments ----------------------------------------------------------------------------
 
+    def premap(self, ref: SegmentRef) -> None:
+        """Map the pool of ``ref`` now (at start-up), not on the first load or save that names
+        it. Model-runner thread only; a segment that cannot be mapped is left to that load."""
+        try:
+            self._pool(ref)
+        except (RuntimeError, OSError) as exc:
+            log.info("kvtier: pool %s not mapped at start-up: %s", ref.name, exc)
+
     def _hold(self, ref: SegmentRef) -> PoolView:
         """The mapped pool of ``ref`` for a job of this step, held (never unmapped) until the
         step's copies are done. Model-runner thread only. RuntimeError if the store's segment
