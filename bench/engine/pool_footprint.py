@@ -9,9 +9,10 @@ committed. An MLA model's latent KV is identical on every TP rank, so kvtier sto
 figure. A model whose KV heads are split over ranks stores each rank's heads, so the figures
 are equal there too (the same bytes, in twice the chunks).
 
-On vLLM's CPU build an MLA engine turns vLLM's own prefix caching off, and with it kvtier's
-hits (``layout.prefix_reuse_refused``); this benchmark turns it back on
-(``enable_prefix_caching``) only to measure what a saved prompt occupies, not to serve hits.
+An engine that kvtier serves no hits for saves nothing (``layout.prefix_reuse_refused``): on
+vLLM's CPU build that is MLA, whose prefix caching vLLM turns off there even when asked for it.
+Such a row reports the refusal, measured from the engine's own configuration, instead of
+bytes: the MLA figure needs an engine whose prefix caching is on (CUDA).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ TP_ENV = {1: {}, 2: {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per rank, 
 def measure(family: str, tp: int, prompt_tokens: int, tmp: Path) -> dict[str, Any]:
     """One prompt in a fresh engine of ``tp`` ranks: the store's bytes and chunks after it."""
     model = make_family_model(Path(tempfile.gettempdir()) / f"kvtier-footprint-{family}", family)
+    row: dict[str, Any] = {"family": family, "tensor_parallel_size": tp}
+    refused = _refused(model)
+    if refused:
+        return {**row, "prompt_tokens": prompt_tokens, "refused": refused}
     run_dir = tmp / f"tp{tp}"
     store = start_store(run_dir, "256MiB", f"footprint-tp{tp}", remote=False)
     try:
@@ -46,8 +51,7 @@ def measure(family: str, tp: int, prompt_tokens: int, tmp: Path) -> dict[str, An
         _, counters = run_vllm(spec, vllm_env(**TP_ENV.get(tp, {})))
         stats = store_stats(store.address, store.pid) or {}
         return {
-            "family": family,
-            "tensor_parallel_size": tp,
+            **row,
             "prompt_tokens": prompt_tokens,
             "used_bytes": int(stats.get("committed_bytes", 0)),
             "chunks": int(stats.get("chunks", 0)),
@@ -57,18 +61,37 @@ def measure(family: str, tp: int, prompt_tokens: int, tmp: Path) -> dict[str, An
         store.stop()
 
 
+def _refused(model: Path) -> str | None:
+    """Why kvtier would save nothing for this model here (vLLM's configuration of it, asked
+    for prefix caching), or None."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    from kvtier.connector.layout import prefix_reuse_refused
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="auto"),
+        cache_config=CacheConfig(enable_prefix_caching=True),
+    )
+    return prefix_reuse_refused(config)
+
+
 def run(family: str, sizes: list[int], prompt_tokens: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="kvtier-footprint-") as tmp:
         return [measure(family, tp, prompt_tokens, Path(tmp)) for tp in sizes]
 
 
 def print_report(rows: list[dict[str, Any]]) -> None:
-    base = rows[0]["used_bytes"] if rows else 0
-    print("| model | TP | prompt tokens | pool bytes | chunks | vs first row |")
-    print("|---|---:|---:|---:|---:|---:|")
+    measured = [r for r in rows if "refused" not in r]
+    base = measured[0]["used_bytes"] if measured else 0
+    print("| model | TP | prompt tokens | pool bytes (pages) | KV bytes saved | chunks | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        if "refused" in r:
+            print(f"| {r['family']} | {r['tensor_parallel_size']} | {r['prompt_tokens']} | "
+                  f"not measurable: {r['refused']} | | | |")  # fmt: skip
+            continue
         ratio = f"{r['used_bytes'] / base:.2f}x" if base else "-"
         print(
             f"| {r['family']} | {r['tensor_parallel_size']} | {r['prompt_tokens']} | "
-            f"{r['used_bytes']:,} | {r['chunks']} | {ratio} |"
+            f"{r['used_bytes']:,} | {r['saved_bytes']:,} | {r['chunks']} | {ratio} |"
         )
