@@ -56,6 +56,7 @@ class Report:
     floors: dict[int, float] = field(default_factory=dict)  # L -> memcpy seconds
     # a peer that does not run this model: its error, as the report says it
     failures: dict[str, str] = field(default_factory=dict)
+    moved_bytes_per_token: int = 0  # what a DRAM hit loaded per token (the engine's counters)
 
     def p(self, config: str, tier: str, length: int, q: float) -> float | None:
         xs = sorted(
@@ -294,7 +295,7 @@ def run(
             * params["num_key_value_heads"]
             * params.get("head_dim", params["hidden_size"] // params["num_attention_heads"])
             * 4
-        )  # fp32
+        )  # as if fp32: sizes vLLM's KV cache (an upper bound); floors use the bytes moved
         report = Report(model_dir, lengths, reps, kv_per_token, suffix)
         vocab = params["vocab_size"]
         prompts = _prompts(lengths, reps, vocab, seed)
@@ -316,6 +317,8 @@ def run(
             spec_extra, env_extra, cleanup = setup(model_dir, tmp_path / name)
             try:
                 phases, labels = _phases_for(tiers, prompts, warmup, suffix_tokens)
+                if name.startswith("kvtier"):  # what its DRAM hits moved, from its counters
+                    phases, labels = [*phases, {"op": "metrics"}], [*labels, None]
                 spec = {
                     "model": model_dir,
                     "phases": phases,
@@ -334,9 +337,22 @@ def run(
             finally:
                 cleanup()
             _collect(report, name, results, labels)
+            if name.startswith("kvtier") and not report.moved_bytes_per_token:
+                report.moved_bytes_per_token = _moved_per_token(results[-1])
+        # the floor copies the bytes a DRAM hit actually moved (vLLM's dtype="auto" runs a
+        # float32 checkpoint in bf16 here; a sliding window's layers keep its tail only), as
+        # the engine counted them; the configured estimate only where no hit was counted
+        per_token = report.moved_bytes_per_token or kv_per_token
         for length in lengths:
-            report.floors[length] = memcpy_floor(length * kv_per_token)
+            report.floors[length] = memcpy_floor(length * per_token)
     return report
+
+
+def _moved_per_token(counters: dict[str, float]) -> int:
+    """KV bytes per token a DRAM hit loaded, from the engine's counters (0: none counted)."""
+    tokens = counters.get("vllm:kvtier_cpu_hit_tokens", 0)
+    loaded = counters.get("vllm:kvtier_loaded_bytes", 0)
+    return round(loaded / tokens) if tokens else 0
 
 
 def last_error(driver_output: str) -> str:
@@ -388,7 +404,9 @@ def print_report(report: Report) -> None:
     out = console()
     table = Table(
         title=f"TTFT by tier, p50 / p90 over {report.reps} prompts per length "
-        f"({report.kv_bytes_per_token} B of KV per token; {report.suffix} new tokens after "
+        f"({report.moved_bytes_per_token or report.kv_bytes_per_token} B of KV per token "
+        f"{'moved by a DRAM hit' if report.moved_bytes_per_token else 'configured'}; "
+        f"{report.suffix} new tokens after "
         "the reused prefix)"
     )
     for col in ("prefix", "config", "tier", "p50 s", "p90 s", "n"):
@@ -430,7 +448,7 @@ def print_report(report: Report) -> None:
         peer = report.p("lmcache", "dram", length, 50)
         table.add_row(
             f"{length:,}",
-            f"{length * report.kv_bytes_per_token / 2**20:.0f}",
+            f"{length * (report.moved_bytes_per_token or report.kv_bytes_per_token) / 2**20:.0f}",
             f"{report.floors[length] * 1e3:.1f}",
             _ms(gpu),
             _ms(dram),
@@ -492,6 +510,7 @@ def to_json(report: Report) -> dict:
         "lengths": report.lengths,
         "reps": report.reps,
         "kv_bytes_per_token": report.kv_bytes_per_token,
+        "moved_bytes_per_token": report.moved_bytes_per_token,
         "suffix": report.suffix,
         "floors_s": {str(k): v for k, v in report.floors.items()},
         "failures": report.failures,

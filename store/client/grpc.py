@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import secrets
 import threading
@@ -29,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 
 from kvtier.core import rpc
 from kvtier.core.auth import Authenticator, Principal
@@ -51,8 +51,7 @@ from kvtier.store.api.types import (
 from kvtier.store.client import wire
 from kvtier.store.client.control import METHODS as CONTROL_METHODS
 from kvtier.store.client.control import ControlChannel, ControlUnreachable
-from kvtier.store.client.shm import SegmentError, SharedSegment
-from kvtier.store.client.view import ChunkView
+from kvtier.store.client.view import ChunkView, open_view
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
 
@@ -92,7 +91,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         self._token = auth.token if auth is not None else None
         self._control: ControlChannel | None = None
         self._view: ChunkView | None = None  # the store's view of committed chunks, mapped
-        self._view_map: SharedSegment | None = None
+        self._view_map: mmap.mmap | None = None
         self.view_misses = 0  # lookups the view answered (a miss) without a call
         self._registered: dict[bytes, int] = {}  # ns id -> the epoch it was registered at
         self._stub = store_pb2_grpc.StoreStub(self._channel)
@@ -150,19 +149,20 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         the control socket, i.e. a store on this node, whose segment this process can map."""
         old, self._view, self._view_map = self._view_map, None, None
         if old is not None:
-            old.close()
+            with contextlib.suppress(BufferError):  # a reader still holds it: unmapped later
+                old.close()
         if self._control is None or not info.view_bytes:
             return
         try:
-            mapped = SharedSegment.attach(info.segment_name, info.segment_size, populate=False)
-        except (OSError, SegmentError):
+            view, mapped = open_view(info.segment_name, info.view_offset, info.view_bytes)
+        except OSError:
             return  # not this node's store after all: lookups ask it
-        words = mapped.array[info.view_offset : info.view_offset + info.view_bytes]
-        view = ChunkView(words.view(np.uint64))
         if view.valid() and view.epoch == info.epoch:
             self._view, self._view_map = view, mapped
         else:
-            mapped.close()
+            del view
+            with contextlib.suppress(BufferError):
+                mapped.close()
 
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
         control = self._control
@@ -564,7 +564,10 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
                 self._call("CloseSession", request, timeout=timeout)
         if self._control is not None:
             self._control.close()
-        self._view = None  # the mapping goes with the segment's last reference
+        self._view, view_map, self._view_map = None, self._view_map, None
+        if view_map is not None:
+            with contextlib.suppress(BufferError):  # a reader still holds it: unmapped later
+                view_map.close()
         self._channel.close()  # a heartbeat in flight is cancelled; the thread then stops
 
 

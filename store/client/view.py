@@ -29,18 +29,32 @@ retried, and after ``READ_TRIES`` given up as "unknown": ask the store).
 
 from __future__ import annotations
 
+import mmap
+import os
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvtier.store.api.events import EventKind, StoreEvent
+from kvtier.store.client.shm import SHM_DIR
 
 MAGIC = 0x6B76746965727631  # "kvtierv1"
 HEADER_WORDS = 7  # magic, sequence, epoch, slots, max batch keys, alive at, max age
 EMPTY, TOMBSTONE = 0, 1
 READ_TRIES = 8
 MAX_LOAD = 0.7  # slots in use (live + tombstones) before the writer rebuilds the table
+
+
+def open_view(segment_name: str, offset: int, size: int) -> tuple[ChunkView, mmap.mmap]:
+    """Map a store's view read-only (only its pages, not the pool's): the reader and the
+    mapping, which the caller keeps as long as it reads. OSError if the segment is gone."""
+    fd = os.open(SHM_DIR / segment_name, os.O_RDONLY)
+    try:
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
+    finally:
+        os.close(fd)
+    return ChunkView(np.frombuffer(mapped, dtype=np.uint64)), mapped
 
 
 def view_bytes_for(max_chunks: int) -> int:
