@@ -71,6 +71,19 @@ class Allocation:
     dropped: bool = False
 
 
+# A sliding window passes a block every few decoded tokens: a save sent a step late finds the
+# blocks its chunk needs freed, and is dropped. Such a model's steps wait for pool space.
+WINDOW_SAVE_WAIT_S = 0.002
+
+
+def save_wait(config: ConnectorConfig, geometry: KvGeometry) -> float:
+    """How long a step waits for its pool space: ``save_wait_s``, or when unset 0 (the answer
+    goes with the next step) and ``WINDOW_SAVE_WAIT_S`` for a model with a sliding window."""
+    if config.save_wait_s is not None:
+        return config.save_wait_s
+    return WINDOW_SAVE_WAIT_S if geometry.hits_on_chunk_boundaries else 0.0
+
+
 @dataclass(frozen=True)
 class AllocationAsk:
     """An allocation of one step, answered through ``future`` by the step's one pool call."""
@@ -120,6 +133,7 @@ class SavePlanner:
         self._block_ids_of: Callable[[str], GroupBlocks] | None = None
         self.null_block = 0  # vLLM's null block id (set by the connector)
         self._closing = False  # shutdown: allocations not yet started allocate nothing
+        self._save_wait_s = save_wait(config, geometry)
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -144,7 +158,7 @@ class SavePlanner:
             self._alloc.submit(self._allocate_step, asks)
         fresh = [a.future for a in started if a is not None]
         if fresh:
-            wait_futures(fresh, timeout=self.config.save_wait_s)
+            wait_futures(fresh, timeout=self._save_wait_s)
         jobs = []
         now = time.monotonic()
         still: list[Allocation] = []

@@ -92,13 +92,15 @@ class ConnectorConfig(Section):
         description="a lookup still pending this long after it started answers 'no hit' "
         "(the request recomputes) instead of 'ask again'",
     )
-    save_wait_s: float = Field(
-        0.0,
+    save_wait_s: float | None = Field(
+        None,
         ge=0,
         description="a step waits this long for pool space for the chunks it completes; a "
-        "later answer is used in a later step (the blocks are held until copied). 0: never "
-        "wait (the answer, due within the step's forward pass, goes with the next step: "
-        "kvtier bench decode-overhead measured the 2 ms wait at ~0.3 ms of every step)",
+        "later answer is used in a later step (the blocks are held until copied). Unset: 0 "
+        "(never wait: the answer, due within the step's forward pass, goes with the next "
+        "step; kvtier bench decode-overhead measured a 2 ms wait at ~0.3 ms of every step), "
+        "but 2 ms for a model with a sliding window, whose blocks a late save may find freed",
+        json_schema_extra={"default_doc": "0, or 0.002 with a sliding window"},
     )
     save_defer_s: float = Field(
         5.0, gt=0, description="pool space not granted by then: that save is given up"

@@ -140,8 +140,9 @@ def test_holder_failures_end_in_recompute(
     else:
         from kvtier.store.client.shm import SharedSegment
 
-        segment = SharedSegment.attach(b.segment, 256 << 20)
-        segment.array[:] ^= 0xFF  # every committed byte flipped: checksums cannot match
+        size = Path("/dev/shm", b.segment).stat().st_size  # the pool, then the store's view
+        segment = SharedSegment.attach(b.segment, size)
+        segment.array[: 256 << 20] ^= 0xFF  # every pool byte flipped: checksums cannot match
         segment.close()
     start = time.monotonic()
     got, metrics = run(

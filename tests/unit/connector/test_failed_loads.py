@@ -152,3 +152,25 @@ def test_load_mode_follows_async_scheduling_and_kv_cache_groups() -> None:
     assert with_engine_constraints(ConnectorConfig(load_mode="async"), True).load_mode == "async"
     # a hybrid model's load failures reach vLLM per request, for async loads only
     assert with_engine_constraints(sync, False, hybrid=True).load_mode == "async"
+
+
+def test_a_sliding_window_engine_waits_for_a_steps_pool_space_unless_told_otherwise() -> None:
+    """A sliding window passes blocks as a request decodes: a save sent a step late is
+    dropped, so such an engine waits for the step's pool space; other engines never wait; a
+    ``save_wait_s`` that is set wins."""
+    from kvtier.connector.layout import FULL, SLIDING_WINDOW, GroupGeometry, KvGeometry
+    from kvtier.connector.saves import WINDOW_SAVE_WAIT_S, save_wait
+    from kvtier.core.config.connector import ConnectorConfig
+
+    plain = KvGeometry(("l0",), 32, 1024, 64, "t")
+    window = KvGeometry(
+        ("l0", "l1"), 32, 1024, 64, "t",
+        groups=(
+            GroupGeometry(FULL, ("l0",), 2),
+            GroupGeometry(SLIDING_WINDOW, ("l1",), 1, 32),
+        ),
+    )  # fmt: skip
+    assert save_wait(ConnectorConfig(), plain) == 0.0
+    assert save_wait(ConnectorConfig(), window) == WINDOW_SAVE_WAIT_S > 0
+    assert save_wait(ConnectorConfig(save_wait_s=0.0), window) == 0.0
+    assert save_wait(ConnectorConfig(save_wait_s=0.5), plain) == 0.5
