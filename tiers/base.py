@@ -122,26 +122,14 @@ class PoolTier(abc.ABC):
     ) -> AllocateResult:
         """Pages for chunks about to be written, evicting unpinned chunks as needed."""
 
+    @abc.abstractmethod
     def allocate_many(self, calls: Sequence[AllocateCall]) -> list[AllocateResult | KvtierError]:
         """``allocate_chunks`` for several namespaces' chunks at once: one message to a store
         that takes batches (an engine step's saves), each answered or refused on its own."""
-        out: list[AllocateResult | KvtierError] = []
-        for call in calls:
-            try:
-                out.append(self.allocate_chunks(call.ns_id, call.keys, call.sizes))
-            except KvtierError as exc:
-                out.append(exc)
-        return out
 
+    @abc.abstractmethod
     def commit_many(self, calls: Sequence[CommitCall]) -> list[int | KvtierError]:
         """``commit`` of several leases at once (one message where the store takes batches)."""
-        out: list[int | KvtierError] = []
-        for call in calls:
-            try:
-                out.append(self.commit(call.lease_id, call.keys, call.checksums))
-            except KvtierError as exc:
-                out.append(exc)
-        return out
 
     @abc.abstractmethod
     def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
-import os
 import secrets
 import threading
 import weakref
@@ -51,13 +49,12 @@ from kvtier.store.api.types import (
 from kvtier.store.client import wire
 from kvtier.store.client.control import METHODS as CONTROL_METHODS
 from kvtier.store.client.control import ControlChannel, ControlUnreachable
-from kvtier.store.client.view import ChunkView, open_view
+from kvtier.store.client.local import NodeLocalPath
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
 
 # A fetch's reply may come this long after its own deadline (the store's last control call).
 FETCH_REPLY_MARGIN_S = 5.0
-MAX_VIEWED_NAMESPACES = 4096  # namespaces whose misses the view answers (the store's default)
 CLOSE_SESSION_TIMEOUT_S = 2.0  # close() does not wait longer for an unreachable store
 
 T = TypeVar("T")
@@ -87,13 +84,10 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         if verify is not None:
             self.proved = verify_store(address, auth, verify, timeout_s)
         self._channel = rpc.open_channel(address, auth)
-        self._fast_control = fast_control and verify is None  # a peer's store is not local
-        self._token = auth.token if auth is not None else None
-        self._control: ControlChannel | None = None
-        self._view: ChunkView | None = None  # the store's view of committed chunks, mapped
-        self._view_map: mmap.mmap | None = None
-        self.view_misses = 0  # lookups the view answered (a miss) without a call
-        self._registered: dict[bytes, int] = {}  # ns id -> the epoch it was registered at
+        # the control socket and the shared view, of a store on this node (never a peer's)
+        self._local = NodeLocalPath(
+            fast_control and verify is None, auth.token if auth is not None else None, timeout_s
+        )
         self._stub = store_pb2_grpc.StoreStub(self._channel)
         self._info: StoreInfo | None = None
         self._session = 0  # this client's own session; 0 = none open yet
@@ -115,7 +109,12 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
     @property
     def control(self) -> ControlChannel | None:
         """The store's control socket this client calls the hot path on (None: gRPC only)."""
-        return self._control
+        return self._local.control
+
+    @property
+    def view_misses(self) -> int:
+        """Lookups the store's shared view answered (misses) without a call."""
+        return self._local.view_misses
 
     @property
     def epoch(self) -> int:
@@ -130,42 +129,8 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         self._drop_session(self._session)
         return self._info
 
-    def _adopt_control(self, info: StoreInfo) -> None:
-        """Use ``info``'s control socket from now on (the previous incarnation's is closed):
-        only a socket this process can open, i.e. a store on this node."""
-        old = self._control
-        if old is not None and old.path == info.control_socket:
-            return
-        self._control = None
-        if old is not None:
-            old.close()
-        if self._fast_control and info.control_socket and os.path.exists(info.control_socket):
-            self._control = ControlChannel(info.control_socket, self._token, self.timeout_s)
-            self._reachable = True
-        self._adopt_view(info)
-
-    def _adopt_view(self, info: StoreInfo) -> None:
-        """Map ``info``'s view of committed chunks (``kvtier.store.client.view``): only with
-        the control socket, i.e. a store on this node, whose segment this process can map."""
-        old, self._view, self._view_map = self._view_map, None, None
-        if old is not None:
-            with contextlib.suppress(BufferError):  # a reader still holds it: unmapped later
-                old.close()
-        if self._control is None or not info.view_bytes:
-            return
-        try:
-            view, mapped = open_view(info.segment_name, info.view_offset, info.view_bytes)
-        except OSError:
-            return  # not this node's store after all: lookups ask it
-        if view.valid() and view.epoch == info.epoch:
-            self._view, self._view_map = view, mapped
-        else:
-            del view
-            with contextlib.suppress(BufferError):
-                mapped.close()
-
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
-        control = self._control
+        control = self._local.control
         if control is not None and name in CONTROL_METHODS:
             try:
                 return control.call(name, request)
@@ -207,7 +172,9 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             view_bytes=reply.view_bytes,
             session_timeout_s=reply.session_timeout_s,
         )
-        self._adopt_control(info)
+        self._local.adopt(info)
+        if self._local.control is not None:
+            self._reachable = True
         return info
 
     # -- StoreClient: the engine's surface --------------------------------------------------
@@ -229,10 +196,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
                 chunk_bytes=chunk_bytes,
             ),
         )
-        registered = self._registered
-        if len(registered) >= MAX_VIEWED_NAMESPACES:
-            registered.clear()  # they are asked of the store until registered again
-        registered[reply.ns_id] = self.epoch
+        self._local.registered(reply.ns_id, self.epoch)
         return reply.ns_id
 
     def lookup(
@@ -298,7 +262,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         self, calls: Sequence[AllocateCall], *, session: int = 0
     ) -> list[AllocateResult | KvtierError]:
         """On the control socket: every allocation in one message (one round trip)."""
-        control = self._control
+        control = self._local.control
         if control is None or len(calls) < 2:
             return super().allocate_many(calls, session=session)
         epoch = self.epoch
@@ -335,7 +299,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         return [r if isinstance(r, KvtierError) else _allocated(r, epoch) for r in replies]
 
     def commit_many(self, calls: Sequence[CommitCall]) -> list[int | KvtierError]:
-        control = self._control
+        control = self._local.control
         if control is None or len(calls) < 2:
             return super().commit_many(calls)
         requests = [
@@ -407,15 +371,8 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             return call(self._own_session())
 
     def known_miss(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
-        view, info = self._view, self._info
-        if view is None or info is None or view.epoch != info.epoch:
-            return False
-        # only in a namespace this client registered at this incarnation: any other (not
-        # registered, another tenant's) is the store's to answer, UNKNOWN_NAMESPACE and all
-        if self._registered.get(ns_id) != info.epoch or not view.misses(ns_id, keys):
-            return False
-        self.view_misses += 1
-        return True
+        info = self._info
+        return info is not None and self._local.known_miss(ns_id, keys, info.epoch)
 
     def open_own_session(self) -> int:
         """This client's session, opened now if it is not yet (it opens by itself on the first
@@ -562,12 +519,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
                 request = pb.CloseSessionRequest(epoch=self.epoch, session=session)
                 timeout = min(self.timeout_s, CLOSE_SESSION_TIMEOUT_S)
                 self._call("CloseSession", request, timeout=timeout)
-        if self._control is not None:
-            self._control.close()
-        self._view, view_map, self._view_map = None, self._view_map, None
-        if view_map is not None:
-            with contextlib.suppress(BufferError):  # a reader still holds it: unmapped later
-                view_map.close()
+        self._local.close()
         self._channel.close()  # a heartbeat in flight is cancelled; the thread then stops
 
 

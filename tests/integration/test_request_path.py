@@ -80,6 +80,7 @@ STATE_MACHINE = [  # StoreCore's lookup and the components it calls
 GRPC_CLIENT = [
     "store/client/control.py",
     "store/client/grpc.py",
+    "store/client/local.py",
     "store/client/view.py",
     "store/client/wire.py",
 ]

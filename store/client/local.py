@@ -1,0 +1,99 @@
+"""The engine's hot path to a store on its own node, beside the gRPC client that holds it:
+the store's control socket (``kvtier.store.client.control``) and its shared view of committed
+chunks (``kvtier.store.client.view``), both adopted from the store's info and replaced when
+the client re-attaches to a new incarnation.
+
+Threading: ``adopt`` and ``close`` are the client's (under its re-attach); readers take
+``control`` / ``known_miss`` from any thread: a view replaced under a reader stays mapped
+until the reader lets go of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Sequence
+
+from kvtier.store.api import StoreInfo
+from kvtier.store.client.control import ControlChannel
+from kvtier.store.client.view import ChunkView, open_view
+
+MAX_VIEWED_NAMESPACES = 4096  # namespaces whose misses the view answers (the store's default)
+
+
+class NodeLocalPath:
+    """The control socket and the shared view of one store incarnation (none: gRPC only)."""
+
+    def __init__(self, enabled: bool, token: str | None, timeout_s: float) -> None:
+        """``enabled``: use them when the store offers them (``store.fast_control``);
+        ``token``: what the client presents on the socket; ``timeout_s``: one call's bound."""
+        self._enabled = enabled
+        self._token = token
+        self._timeout_s = timeout_s
+        self.control: ControlChannel | None = None
+        self._view: ChunkView | None = None
+        self._view_epoch = 0
+        self._view_map: mmap.mmap | None = None
+        self._registered: dict[bytes, int] = {}  # ns id -> the epoch it was registered at
+        self.view_misses = 0  # lookups the view answered (a miss) without a call
+
+    def adopt(self, info: StoreInfo) -> None:
+        """Use ``info``'s control socket and view from now on (the previous incarnation's are
+        closed): only a socket this process can open, i.e. a store on this node."""
+        old = self.control
+        if old is not None and old.path == info.control_socket:
+            return
+        self.control = None
+        if old is not None:
+            old.close()
+        if self._enabled and info.control_socket and os.path.exists(info.control_socket):
+            self.control = ControlChannel(info.control_socket, self._token, self._timeout_s)
+        self._adopt_view(info)
+
+    def _adopt_view(self, info: StoreInfo) -> None:
+        self._drop_view()
+        if self.control is None or not info.view_bytes:
+            return
+        try:
+            view, mapped = open_view(info.segment_name, info.view_offset, info.view_bytes)
+        except OSError:
+            return  # not this node's store after all: lookups ask it
+        if view.valid() and view.epoch == info.epoch:
+            self._view, self._view_epoch, self._view_map = view, info.epoch, mapped
+        else:
+            del view
+            _unmap(mapped)
+
+    def registered(self, ns_id: bytes, epoch: int) -> None:
+        """The client registered ``ns_id`` at incarnation ``epoch``: the view may answer its
+        misses (a namespace not registered here is the store's to answer, UNKNOWN_NAMESPACE
+        and tenant gate included)."""
+        if len(self._registered) >= MAX_VIEWED_NAMESPACES:
+            self._registered.clear()  # asked of the store until registered again
+        self._registered[ns_id] = epoch
+
+    def known_miss(self, ns_id: bytes, keys: Sequence[bytes], epoch: int) -> bool:
+        """True when the view of incarnation ``epoch`` (the client's) says the lookup misses."""
+        view = self._view
+        if view is None or self._view_epoch != epoch or self._registered.get(ns_id) != epoch:
+            return False
+        if not view.misses(ns_id, keys):
+            return False
+        self.view_misses += 1
+        return True
+
+    def _drop_view(self) -> None:
+        self._view, view_map, self._view_map = None, self._view_map, None
+        if view_map is not None:
+            _unmap(view_map)
+
+    def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
+        self._drop_view()
+
+
+def _unmap(mapped: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # a reader still holds it: unmapped after it
+        mapped.close()
