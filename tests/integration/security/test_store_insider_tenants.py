@@ -35,6 +35,7 @@ def test_another_namespaces_keys_answer_like_absent_ones(secure_store: SecureSto
     ns_a, victim = put_chunks(secure_store, TOKENS["engine-a"], "a", n=4)
     b = client(secure_store, TOKENS["engine-b"])
     try:
+        assert b.control is not None  # these calls go on the store's control socket
         ns_b = b.register_namespace(namespace("b"), CHUNK)
         never = prompt_keys(namespace("b"), np.arange(10_000, 10_000 + 4 * 16))
         answers: dict[str, list[Any]] = {}
