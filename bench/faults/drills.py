@@ -407,7 +407,9 @@ def concurrent_failed_loads(ctx: DrillContext) -> DrillResult:
             "every": True,
         }
         many = {"batch": True, "max_tokens": DECODE}
-        phases = [generate(prompts.a), RESET, fault, generate(prompts.b) | many]
+        # settled: phase a's saves committed before phase b looks them up (a lookup answered
+        # from the store's view is instant: a commit still in flight would be a miss)
+        phases = [generate(prompts.a), SETTLE, RESET, fault, generate(prompts.b) | many]
         phases += [live_leases(store), DISARM, RESET, generate(prompts.a), RESET]
         phases += [generate(prompts.b) | many, live_leases(store), METRICS]
         # 31 blocks of 32 tokens: two 456-token prompts fill 30; decoding past 480 tokens
@@ -418,14 +420,14 @@ def concurrent_failed_loads(ctx: DrillContext) -> DrillResult:
         first = ctx.reference(prompts.a)
         decoded = ctx.reference(prompts.b, max_tokens=DECODE)
         tally(result, out[0], prompts.a, first)
-        tally(result, out[3], prompts.b, decoded, timed=True, batched=True)
-        tally(result, out[7], prompts.a, first)
-        tally(result, out[9], prompts.b, decoded, batched=True)
+        tally(result, out[4], prompts.b, decoded, timed=True, batched=True)
+        tally(result, out[8], prompts.a, first)
+        tally(result, out[10], prompts.b, decoded, batched=True)
         add_counters(result, out[-1])
         preemptions = out[-1].get("vllm:num_preemptions", 0)
         result.counters["preemptions"] = preemptions
         result.notes.append(f"{preemptions:.0f} preemptions")
-        result.leaked_leases = max(out[4], out[10], _leases(store))
+        result.leaked_leases = max(out[5], out[11], _leases(store))
     finally:
         store.stop()
     return result
