@@ -85,17 +85,21 @@ class ChunkView:
     def valid(self) -> bool:
         return int(self._words[0]) == MAGIC and len(self._slots) == int(self._words[3])
 
-    def _probe(self, tag: int) -> bool:
+    def _slot_of(self, tag: int) -> int | None:
+        """The slot holding ``tag`` (linear probing from its home slot), or None."""
         slots, mask = self._slots, self._mask
         i = tag & mask
         for _ in range(len(slots)):
             word = int(slots[i])
             if word == tag:
-                return True
+                return i
             if word == EMPTY:
-                return False
+                return None
             i = (i + 1) & mask
-        return False
+        return None
+
+    def _probe(self, tag: int) -> bool:
+        return self._slot_of(tag) is not None
 
     def misses(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
         """True when a lookup of ``keys`` is a miss without asking the store: its first chunk
@@ -204,16 +208,9 @@ class ChunkViewWriter(ChunkView):
             i = (i + 1) & mask
 
     def _remove(self, tag: int) -> None:
-        slots, mask = self._slots, self._mask
-        i = tag & mask
-        for _ in range(len(slots)):
-            word = int(slots[i])
-            if word == tag:
-                slots[i] = TOMBSTONE
-                return
-            if word == EMPTY:
-                return
-            i = (i + 1) & mask
+        i = self._slot_of(tag)
+        if i is not None:
+            self._slots[i] = TOMBSTONE
 
     def _rebuild(self) -> None:
         """Drop the tombstones (inside the caller's write section)."""

@@ -53,7 +53,6 @@ from kvtier.store.client.control import (
     RENEW,
     error_payload,
     peer_uid,
-    recv_exact,
     recv_frame,
 )
 from kvtier.store.proto import store_pb2 as pb
@@ -140,10 +139,10 @@ class ControlServer:
             conn.close()
 
     def _hello(self, conn: socket.socket) -> Principal:
-        length, op = HEADER.unpack(recv_exact(conn, HEADER.size))
-        if op != HELLO or length > 4096:
+        op, payload = recv_frame(conn)
+        if op != HELLO or len(payload) > 4096:
             raise KvtierError(ErrorCode.UNAUTHENTICATED, "a connection starts with HELLO")
-        token = recv_exact(conn, length).decode()
+        token = payload.decode()
         principal = LOCAL
         if token and self._auth is not None:
             try:
