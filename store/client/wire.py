@@ -69,13 +69,16 @@ def fetch_from_pb(msg: pb.FetchReply) -> FetchResult:
 
 
 def locations_to_pb(locations: list[ChunkLocation]) -> pb.Locations:
-    msg = pb.Locations(keys=pack_keys([loc.key for loc in locations]))
-    msg.sizes.extend(loc.size for loc in locations)
-    msg.checksums.extend(loc.checksum for loc in locations)
-    msg.extent_counts.extend(len(loc.extents) for loc in locations)
-    msg.extent_offsets.extend(off for loc in locations for off, _ in loc.extents)
-    msg.extent_lengths.extend(length for loc in locations for _, length in loc.extents)
-    return msg
+    # lists, not generators: protobuf's extend takes a list in one call (the hot path's reply)
+    extents = [extent for loc in locations for extent in loc.extents]
+    return pb.Locations(
+        keys=pack_keys([loc.key for loc in locations]),
+        sizes=[loc.size for loc in locations],
+        checksums=[loc.checksum for loc in locations],
+        extent_counts=[len(loc.extents) for loc in locations],
+        extent_offsets=[off for off, _ in extents],
+        extent_lengths=[length for _, length in extents],
+    )
 
 
 def locations_from_pb(msg: pb.Locations) -> list[ChunkLocation]:

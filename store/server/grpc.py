@@ -117,6 +117,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self.core = node.core
         self.fetcher: Fetcher | None = node.remote.fetcher if node.remote is not None else None
         self.metrics = metrics
+        self._latency: dict[str, Any] = {}  # op -> its latency histogram child
         self._own_token = own_token
         info = node.info()
         self.epoch = info.epoch
@@ -131,7 +132,10 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             yield
         finally:
             if self.metrics is not None:
-                self.metrics.latency.labels(op).observe(time.perf_counter() - start)
+                child = self._latency.get(op)
+                if child is None:  # a labelled child looked up once (it costs a lock a call)
+                    child = self._latency[op] = self.metrics.latency.labels(op)
+                child.observe(time.perf_counter() - start)
 
     def _remote(self) -> Fetcher:
         if self.fetcher is None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import check_keys
 from kvtier.store.api.types import LeaseStatus
 from kvtier.store.state.entries import ChunkEntry
+from kvtier.store.state.ids import RandomIds
 from kvtier.store.state.limits import StoreLimits
 from kvtier.store.state.pages import PageBook
 from kvtier.store.state.quotas import Tenant
@@ -91,6 +91,7 @@ class LeaseTable:
         self.write_ttl_s = write_ttl_s
         self.max_ttl_s = max_ttl_s
         self._leases: dict[int, Lease] = {}
+        self._ids = RandomIds()
         self._expiry_heap: list[tuple[float, int]] = []
         # Ids of leases reaped recently, so a late release can be told EXPIRED, not UNKNOWN.
         self._expired: dict[int, None] = {}
@@ -112,9 +113,9 @@ class LeaseTable:
         session: int = 0,
         deadline: float = math.inf,
     ) -> Lease:
-        lease_id = secrets.randbits(63) or 1
+        lease_id = self._ids.draw()
         while lease_id in self._leases:
-            lease_id = secrets.randbits(63) or 1
+            lease_id = self._ids.draw()
         expires = min(expires, deadline)
         lease = Lease(lease_id, kind, entries, expires, 0, deadline, len(entries))
         self._leases[lease_id] = lease

@@ -18,9 +18,9 @@ Not thread-safe: the store calls it under its lock.
 from __future__ import annotations
 
 import heapq
-import secrets
 
 from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.store.state.ids import RandomIds
 
 
 class SessionTable:
@@ -32,6 +32,7 @@ class SessionTable:
         self._expires: dict[int, float] = {}  # session id -> deadline of its next heartbeat
         # (deadline, id); stale entries (a later heartbeat moved the deadline) are skipped.
         self._heap: list[tuple[float, int]] = []
+        self._ids = RandomIds()
 
     def __len__(self) -> int:
         return len(self._expires)
@@ -54,9 +55,9 @@ class SessionTable:
                 ErrorCode.LIMIT_EXCEEDED,
                 f"{len(self._expires)} sessions open: store.max_sessions = {self.max_sessions}",
             )
-        session = secrets.randbits(63) or 1
+        session = self._ids.draw()
         while session in self._expires:
-            session = secrets.randbits(63) or 1
+            session = self._ids.draw()
         self._push(session, now + self.timeout_s)
         return session
 
