@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.testing.models import cpu_binding
 from kvtier.testing.ports import free_port
 from kvtier.testing.services import Service, _start, start_store
 from kvtier.testing.vllm_driver import kvtier_transfer_config
@@ -121,8 +122,8 @@ class Fleet:
                 self.stores[node] = store
                 where = f"{store.address}, unix:{self._socket(node)}"
                 say(f"store     {node}: {spec.pool} pool, {where}")
-        for plan in plans:
-            self.instances.append(self._instance(plan))
+        for slot, plan in enumerate(plans):
+            self.instances.append(self._instance(plan, slot, len(plans)))
         for inst in self.instances:  # started together, waited for one by one
             inst.server.wait_ready()
             say(f"vLLM      {inst.name} on {inst.node}: {inst.url}")
@@ -169,11 +170,17 @@ class Fleet:
             if p.events is not None
         ]
 
-    def _instance(self, plan: _Plan) -> Instance:
+    def _instance(self, plan: _Plan, slot: int, slots: int) -> Instance:
+        """Engine ``slot`` of ``slots``: it computes on a core of its own where there are
+        enough, round robin where not (``cpu_binding``), whatever its connector."""
         spec = self.spec
         node, name, port = plan.node, plan.name, plan.port
         args = list(spec.extra_vllm_args)
-        env = {"KVTIER_STORE__RUN_DIR": str(self.workdir / f"run-{name}"), **spec.vllm_env}
+        env = {
+            "KVTIER_STORE__RUN_DIR": str(self.workdir / f"run-{name}"),
+            **cpu_binding(slot, slots),
+            **spec.vllm_env,
+        }
         if plan.events is not None:
             args += ["--kv-events-config", json.dumps(plan.events)]
         if spec.peer_transfer is not None and not spec.kvtier:

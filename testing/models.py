@@ -311,4 +311,29 @@ VLLM_ENV = {
 
 
 def vllm_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, **VLLM_ENV, **extra}
+    return {**os.environ, **VLLM_ENV, **cpu_binding(), **extra}
+
+
+def cpu_binding(slot: int = 0, slots: int = 1, ranks: int = 1) -> dict[str, str]:
+    """The cores vLLM's CPU workers compute on, named explicitly, the same with or without a
+    KV connector.
+
+    Why: vLLM's automatic binding reserves one core for its scheduler process, and one more
+    whenever ``--kv-transfer-config`` is given (meant for NIXL's transfers). On a 2-core
+    machine that flips the worker from 1 OpenMP thread (no connector) to 2 (any connector,
+    even one that does nothing), so a baseline without a connector prefilled ~1.6x slower than
+    the same vLLM with one (measured with a no-op connector; docs/benchmarks.md). And with
+    several engines on one machine the automatic binding puts every worker on the same core.
+
+    One engine (``slots`` = 1) gets every core with no reservation (what vLLM does with a
+    connector here, and the faster setting for the baseline too); engine ``slot`` of several
+    gets a core of its own, round robin; ``ranks`` > 1 (TP / PP): one core per rank."""
+    cores = sorted(os.sched_getaffinity(0))
+    if slots == 1 and ranks == 1:
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+    first = slot * ranks
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(
+            str(cores[(first + rank) % len(cores)]) for rank in range(ranks)
+        )
+    }

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvtier.testing.models import VLLM_ENV
+from kvtier.testing.models import VLLM_ENV, cpu_binding
 from kvtier.testing.ports import free_port
 
 MODEL_NAME = "tiny"
@@ -43,7 +43,14 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = MODEL_NAME
         self.log_path = log_path
-        env = {**os.environ, **VLLM_ENV, "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+        # the same cores with or without a connector (``cpu_binding``); ``env`` may say others
+        env = {
+            **os.environ,
+            **VLLM_ENV,
+            **cpu_binding(),
+            "TRANSFORMERS_OFFLINE": "1",
+            **(env or {}),
+        }
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine apart
         cmd = [
             sys.executable,
