@@ -251,8 +251,12 @@ def bench_decode_overhead(
     prompt_tokens: Annotated[int, typer.Option(help="tokens per prompt")] = 300,
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request")] = 32,
     configs: Annotated[
-        str, typer.Option(help="vllm (the floor), kvtier-embedded, kvtier-store, kvtier-store-grpc")
-    ] = "vllm,kvtier-embedded,kvtier-store",
+        str,
+        typer.Option(
+            help="vllm (the floor), vllm-noop (a connector doing nothing), kvtier-embedded, "
+            "kvtier-store, kvtier-store-grpc"
+        ),
+    ] = "vllm,vllm-noop,kvtier-embedded,kvtier-store",
     json_out: JsonOut = None,
 ) -> None:
     """TPOT and TTFT of one vLLM server with and without kvtier's connector, same workload."""

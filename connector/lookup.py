@@ -103,6 +103,7 @@ class RequestState:
     lookup: Future[LookupOutcome] | None = None
     lookup_for: int = -1  # vLLM's local hit the lookup in flight (or last done) is for
     lookup_deadline: float = 0.0
+    lookup_waited: bool = False  # a step waited for the lookup in flight once: no step again
     gave_up_for: int = -1  # a lookup for this local hit ran past its deadline: answer 0
     outcome: LookupOutcome | None = None
     save_from_chunk: int = 0  # chunks before this were hits, not computed here

@@ -15,8 +15,8 @@ Every hook that acts on a request first follows its inputs (``RequestState.refre
 streaming-input session changes them between steps without a new lookup.
 
 Nothing here waits on the network for longer than a small budget per step (``lookup_wait_s``
-is shared by every request looked up in a step; at most ``max_pending_lookups`` are in
-flight): store calls run on the ``kvtier-lookup`` / ``kvtier-alloc`` / ``kvtier-ops`` threads
+is shared by every request looked up in a step, and each lookup is waited for in one step
+only; at most ``max_pending_lookups`` are in flight): store calls run on the ``kvtier-lookup`` / ``kvtier-alloc`` / ``kvtier-ops`` threads
 (inline for an embedded store, which answers in microseconds). Per-step work is proportional
 to the requests scheduled and the chunks they touch, never to what the pool holds.
 """
@@ -125,6 +125,7 @@ class ConnectorScheduler:
         self._requests: dict[str, RequestState] = {}
         # what is left of this step's lookup wait (reset by build_meta, which ends a step)
         self._wait_left = config.lookup_wait_s
+        self._running = 0  # requests the last step computed
         self._in_flight = 0  # lookups submitted and not done (done callbacks: any thread)
         self._in_flight_lock = threading.Lock()
         self._pending_loads: list[LoadJob] = []
@@ -211,12 +212,21 @@ class ConnectorScheduler:
                     self._count(C.LOOKUPS_SHED)
                     return 0, False
                 state.lookup_for = computed
+                state.lookup_waited = False
                 state.lookup_deadline = time.monotonic() + self.config.lookup_deadline_s
                 state.lookup = self._lookups.submit(self.resolver.resolve, state, computed)
                 state.lookup.add_done_callback(self._lookup_done)
+            # One step waits for a lookup, a little (what a node-local lookup takes, to save
+            # the request a step); while other requests run, a later step only looks whether
+            # it is done: a lookup that takes longer (a remote tier's index query on a loaded
+            # machine: tens of ms) must not block every step of the decodes beside it until it
+            # returns. An engine with nothing running waits each step (it would only spin).
+            busy = self._running > 0
+            wait = 0.0 if state.lookup_waited and busy else max(0.0, self._wait_left)
+            state.lookup_waited = True
             waited_from = time.monotonic()
             try:
-                state.outcome = state.lookup.result(timeout=max(0.0, self._wait_left))
+                state.outcome = state.lookup.result(timeout=wait)
             except FutureTimeout:
                 if time.monotonic() < state.lookup_deadline:
                     self._count(C.LOOKUPS_PENDING)
@@ -387,6 +397,7 @@ class ConnectorScheduler:
     ) -> KvtierMetadata:
         """``scheduled``: (req id, computed tokens before the step, tokens this step)."""
         self._wait_left = self.config.lookup_wait_s  # the next step's lookups
+        self._running = len(scheduled)  # what the next step's lookups would hold up
         meta = KvtierMetadata(loads=self._pending_loads)
         self._pending_loads = []
         try:

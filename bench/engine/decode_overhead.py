@@ -7,6 +7,9 @@ Configurations, each a freshly started OpenAI server (the ``cpu-bench`` model, 3
 interleaved repeat by repeat so a machine's drift hits all of them alike:
 
 - ``vllm``: no KV connector (the floor);
+- ``vllm-noop``: a connector that does nothing (``kvtier.testing.noop_connector``): what
+  merely configuring a connector changes in vLLM, so kvtier's own cost is the difference
+  from this row;
 - ``kvtier-embedded``: kvtier's connector with an embedded store in the engine process;
 - ``kvtier-store``: kvtier's connector with a node store process (its hot path on the store's
   control socket, misses answered from its shared view: ``store.fast_control``);
@@ -43,6 +46,7 @@ from tqdm import tqdm
 
 from kvtier.bench.cluster.figures import engine_figures, ms_per_step
 from kvtier.bench.cluster.procs import counters
+from kvtier.testing import noop_connector
 from kvtier.testing.models import make_model
 from kvtier.testing.services import start_store
 from kvtier.testing.vllm_driver import kvtier_transfer_config
@@ -50,7 +54,7 @@ from kvtier.testing.vllm_server import MODEL_NAME, VllmServer
 from kvtier.traces.replay import Replayer, ReplayItem, ReplayOptions, ReplayResult
 from kvtier.traces.summary import summarize
 
-CONFIGS = ("vllm", "kvtier-embedded", "kvtier-store", "kvtier-store-grpc")
+CONFIGS = ("vllm", "vllm-noop", "kvtier-embedded", "kvtier-store", "kvtier-store-grpc")
 
 
 @dataclass
@@ -103,7 +107,9 @@ def _serve_once(
     and the engine's steps and hook time during the workload (``engine_figures``)."""
     store = None
     extra_args: list[str] = []
-    if config != "vllm":
+    if config == "vllm-noop":
+        extra_args = ["--kv-transfer-config", json.dumps(noop_connector.TRANSFER_CONFIG)]
+    elif config != "vllm":
         extra: dict[str, Any] = {"chunk_tokens": 64, "store": {"pool": {"capacity": s.pool}}}
         if config.startswith("kvtier-store"):
             store = start_store(workdir, s.pool, "decode-bench", remote=False)

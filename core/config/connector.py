@@ -78,7 +78,8 @@ class ConnectorConfig(Section):
         0.005,
         ge=0,
         description="per engine step, wait at most this long in total for store lookups "
-        "before telling vLLM 'ask again' (one budget shared by every waiting request)",
+        "before telling vLLM 'ask again' (one budget shared by every waiting request); a "
+        "lookup is waited for in one step only, later steps just look whether it is done",
     )
     max_pending_lookups: int = Field(
         64,

@@ -52,3 +52,31 @@ def test_one_wait_budget_per_step_and_a_bounded_queue(tmp_path: Path) -> None:
     finally:
         rig.connector.scheduler._lookups.shutdown(wait=True, cancel_futures=True)
         rig.close()
+
+
+def test_a_slow_lookup_is_waited_for_in_one_step_only(tmp_path: Path) -> None:
+    """A lookup slower than the budget (a remote tier's index query on a loaded machine)
+    blocks the scheduler in the step that started it; the steps after only look whether it
+    is done, so it cannot take ``lookup_wait_s`` from every step of the decodes beside it."""
+    wait_s, steps = 0.02, 6
+    rig = EngineRig(tmp_path, extra={"lookup_wait_s": wait_s})
+    try:
+        rig.add("decoding", list(range(500, 540)), max_tokens=40)
+        for _ in range(3):
+            rig.step()
+        rig.connector.scheduler.take_stats()
+        before = rig.counters.get("lookup_wait_seconds", 0)
+        _slow_store(rig, 0.3)
+        rig.add("slow", list(range(4, 104)))
+        for _ in range(steps):
+            rig.step()
+        rig.connector.scheduler.take_stats()
+        waited = rig.counters.get("lookup_wait_seconds", 0) - before
+        assert wait_s * 0.5 <= waited <= wait_s + 0.01  # one step's wait, not six
+        assert rig.counters.get("lookups_pending", 0) >= steps - 1
+        rig.run()
+        assert rig.outputs_of("slow") and len(rig.outputs_of("decoding")) == 40
+        assert rig.wrong == []
+    finally:
+        rig.connector.scheduler._lookups.shutdown(wait=True, cancel_futures=True)
+        rig.close()
