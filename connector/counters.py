@@ -153,7 +153,8 @@ class C:
     # what the engine waits for: wall time inside the hooks, on the thread vLLM called them
     SCHEDULER_HOOK_SECONDS = Counter(
         "scheduler_hook_seconds",
-        "Seconds vLLM's scheduler spent in kvtier's hooks (waiting for lookups included)",
+        "Seconds vLLM's scheduler spent in kvtier's hooks (waiting for lookups included, "
+        "except while nothing else was running)",
     )
     WORKER_HOOK_SECONDS = Counter(
         "worker_hook_seconds",

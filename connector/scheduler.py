@@ -16,8 +16,9 @@ streaming-input session changes them between steps without a new lookup.
 
 Nothing here waits on the network for longer than a small budget per step (``lookup_wait_s``
 is shared by every request looked up in a step, and each lookup is waited for in one step
-only; at most ``max_pending_lookups`` are in flight): store calls run on the ``kvtier-lookup`` / ``kvtier-alloc`` / ``kvtier-ops`` threads
-(inline for an embedded store, which answers in microseconds). Per-step work is proportional
+only while other requests run; at most ``max_pending_lookups`` are in flight): store calls
+run on the ``kvtier-lookup`` / ``kvtier-alloc`` / ``kvtier-ops`` threads (inline for an
+embedded store, which answers in microseconds). Per-step work is proportional
 to the requests scheduled and the chunks they touch, never to what the pool holds.
 """
 
@@ -126,6 +127,9 @@ class ConnectorScheduler:
         # what is left of this step's lookup wait (reset by build_meta, which ends a step)
         self._wait_left = config.lookup_wait_s
         self._running = 0  # requests the last step computed
+        # seconds waited for lookups while nothing else ran (not the engine's cost: its loop
+        # would have spun); the connector leaves them out of its hook time
+        self.idle_wait_s = 0.0
         self._in_flight = 0  # lookups submitted and not done (done callbacks: any thread)
         self._in_flight_lock = threading.Lock()
         self._pending_loads: list[LoadJob] = []
@@ -246,6 +250,8 @@ class ConnectorScheduler:
                 waited = time.monotonic() - waited_from
                 self._wait_left -= waited
                 self._count(C.LOOKUP_WAIT_SECONDS, waited)
+                if not busy:  # held nothing up: the engine had nothing else to run
+                    self.idle_wait_s += waited
             state.lookup = None
         tokens = state.outcome.tokens
         return tokens, tokens > 0 and self.config.load_mode == "async"

@@ -80,3 +80,35 @@ def test_a_slow_lookup_is_waited_for_in_one_step_only(tmp_path: Path) -> None:
     finally:
         rig.connector.scheduler._lookups.shutdown(wait=True, cancel_futures=True)
         rig.close()
+
+
+def test_an_idle_engine_waits_each_step_but_not_on_its_hook_clock(tmp_path: Path) -> None:
+    """With nothing else to run, a step waits for the pending lookup again (the engine's loop
+    would only spin), and that wait held no decode up: the connector's hook time (what
+    ``vllm:kvtier_scheduler_hook_seconds`` reports per step) leaves it out."""
+    wait_s, steps = 0.02, 5
+    rig = EngineRig(tmp_path, extra={"lookup_wait_s": wait_s})
+    try:
+        _slow_store(rig, 0.5)
+        rig.add("alone", list(range(4, 104)))
+        hook_s = 0.0
+        take_stats = rig.connector.get_kv_connector_stats
+
+        def hook_clock():  # what vLLM reads each step: the hook seconds ride along
+            nonlocal hook_s
+            stats = take_stats()
+            hook_s += stats.data.get("scheduler_hook_seconds", 0.0) if stats else 0.0
+            return stats
+
+        rig.connector.get_kv_connector_stats = hook_clock
+        for _ in range(steps):
+            rig.step()
+        hook_clock()
+        waited = rig.counters.get("lookup_wait_seconds", 0)
+        assert waited >= (steps - 1) * wait_s  # every step waited
+        assert hook_s < waited / 2  # and none of it counts as the engine's cost
+        rig.run()
+        assert rig.outputs_of("alone") and rig.wrong == []
+    finally:
+        rig.connector.scheduler._lookups.shutdown(wait=True, cancel_futures=True)
+        rig.close()
