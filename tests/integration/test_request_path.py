@@ -69,6 +69,7 @@ ENGINE = [  # every hit: vLLM's hooks, the scheduler side, the pool tier, the wo
 STATE_MACHINE = [  # StoreCore's lookup and the components it calls
     "store/pool/eviction.py",
     "store/state/core.py",
+    "store/state/ids.py",  # a leased lookup's lease id
     "store/state/leases.py",
     "store/state/limits.py",
     "store/state/namespaces.py",
