@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvtier.testing.models import VLLM_ENV, cpu_binding
+from kvtier.testing.models import vllm_env
 from kvtier.testing.ports import free_port
 
 MODEL_NAME = "tiny"
@@ -44,13 +44,7 @@ class VllmServer:
         self.model = MODEL_NAME
         self.log_path = log_path
         # the same cores with or without a connector (``cpu_binding``); ``env`` may say others
-        env = {
-            **os.environ,
-            **VLLM_ENV,
-            **cpu_binding(),
-            "TRANSFORMERS_OFFLINE": "1",
-            **(env or {}),
-        }
+        env = vllm_env(TRANSFORMERS_OFFLINE="1", **(env or {}))
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine apart
         cmd = [
             sys.executable,
