@@ -22,11 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvtier.testing.models import make_family_model, vllm_env
+from kvtier.testing.models import cpu_binding, make_family_model, vllm_env
 from kvtier.testing.services import start_store, store_stats
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
-
-TP_ENV = {1: {}, 2: {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per rank, no NUMA node
 
 
 def measure(family: str, tp: int, prompt_tokens: int, tmp: Path) -> dict[str, Any]:
@@ -48,7 +46,7 @@ def measure(family: str, tp: int, prompt_tokens: int, tmp: Path) -> dict[str, An
             "kv_transfer_config": kvtier_transfer_config(extra),
             "engine_args": {"tensor_parallel_size": tp, "enable_prefix_caching": True},
         }
-        _, counters = run_vllm(spec, vllm_env(**TP_ENV.get(tp, {})))
+        _, counters = run_vllm(spec, vllm_env(**cpu_binding(ranks=tp)))  # a core per rank
         stats = store_stats(store.address, store.pid) or {}
         return {
             **row,

@@ -17,7 +17,6 @@ p50 TTFT | leaked leases), writes JSON and a markdown table.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import statistics
@@ -28,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.testing.models import make_family_model, vllm_env
+from kvtier.testing.models import cpu_binding, make_family_model, vllm_env
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
 
 CHUNK = 64  # tokens per chunk: two vLLM blocks of 32
@@ -102,12 +101,9 @@ class DrillContext:
         return Prompts.make(self.requests, seed)
 
     def env(self) -> dict[str, str]:
-        extra = {}
-        tp = int(self.engine_args.get("tensor_parallel_size", 1))
-        if tp > 1:  # vLLM's CPU build binds each rank's threads to a NUMA node by default
-            cores = os.cpu_count() or 1
-            extra["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tp))
-        return vllm_env(KVTIER_STORE__RUN_DIR=str(self.run_dir), **extra)
+        # one core per rank: vLLM's CPU build binds each rank to a NUMA node by default
+        ranks = int(self.engine_args.get("tensor_parallel_size", 1))
+        return vllm_env(KVTIER_STORE__RUN_DIR=str(self.run_dir), **cpu_binding(ranks=ranks))
 
     def vllm(
         self,
