@@ -14,36 +14,29 @@ Per request:
 Every hook that acts on a request first follows its inputs (``RequestState.refresh``): a
 streaming-input session changes them between steps without a new lookup.
 
-Nothing here waits on the network for longer than a small budget per step (``lookup_wait_s``
-is shared by every request looked up in a step, and each lookup is waited for in one step
-only while other requests run; at most ``max_pending_lookups`` are in flight): store calls
-run on the ``kvtier-lookup`` / ``kvtier-alloc`` / ``kvtier-ops`` threads (inline for an
-embedded store, which answers in microseconds). Per-step work is proportional
-to the requests scheduled and the chunks they touch, never to what the pool holds.
+Nothing here waits on the network for longer than a small budget per step
+(``lookup_waits.py``: the step's budget, one wait per lookup while others run, admission):
+store calls run on the ``kvtier-lookup`` / ``kvtier-alloc`` / ``kvtier-ops`` threads (inline
+for an embedded store, which answers in microseconds). Per-step work is proportional to the
+requests scheduled and the chunks they touch, never to what the pool holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.counters import HIT_TOKENS, C, Counter, Tally
-from kvtier.connector.group_blocks import GroupBlocks, UnfillableBlocks, load_blocks, real_blocks
+from kvtier.connector.group_blocks import GroupBlocks, UnfillableBlocks, real_blocks
 from kvtier.connector.layout import KvGeometry, ModelIdentity
+from kvtier.connector.load_copies import load_copies, tokens_by_tier
 from kvtier.connector.lookup import LookupOutcome, RequestState, TierResolver, take_leases
-from kvtier.connector.metadata import (
-    ChunkCopy,
-    KvtierMetadata,
-    KvtierWorkerMetadata,
-    LoadJob,
-    SegmentRef,
-)
+from kvtier.connector.lookup_waits import LookupWaits
+from kvtier.connector.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadJob, SegmentRef
 from kvtier.connector.saves import SavePlanner
 from kvtier.core.config.connector import ConnectorConfig
 from kvtier.core.errors import KvtierError
@@ -100,10 +93,13 @@ class ConnectorScheduler:
         # An embedded store answers in microseconds: no threads. Staging tiers (a remote pull)
         # take network round trips: lookups then always go to threads.
         inline = embedded and not tiers.staging
-        self._lookups: Executor = (
+        lookup_threads: Executor = (
             InlineExecutor()
             if inline
             else ThreadPoolExecutor(2, thread_name_prefix="kvtier-lookup")
+        )
+        self.lookups = LookupWaits(
+            config, geometry.chunk_tokens, lookup_threads, self._release, self._count
         )
         self._ops: Executor = (
             InlineExecutor() if embedded else ThreadPoolExecutor(1, thread_name_prefix="kvtier-ops")
@@ -124,14 +120,6 @@ class ConnectorScheduler:
             self.resolver.namespaces,
         )
         self._requests: dict[str, RequestState] = {}
-        # what is left of this step's lookup wait (reset by build_meta, which ends a step)
-        self._wait_left = config.lookup_wait_s
-        self._running = 0  # requests the last step computed
-        # seconds waited for lookups while nothing else ran (not the engine's cost: its loop
-        # would have spun); the connector leaves them out of its hook time
-        self.idle_wait_s = 0.0
-        self._in_flight = 0  # lookups submitted and not done (done callbacks: any thread)
-        self._in_flight_lock = threading.Lock()
         self._pending_loads: list[LoadJob] = []
         # req -> tier -> tokens of its last load (vLLM's hit stats read it at admission)
         self.hit_sources: dict[str, dict[str, int]] = {}
@@ -187,7 +175,7 @@ class ConnectorScheduler:
     def _refresh(self, state: RequestState) -> None:
         if state.refresh(self.identity.generation, self.geometry.chunk_tokens):
             self._drop_outcome(state)
-            self._supersede_lookup(state)
+            self.lookups.supersede(state)
 
     # -- 1. lookup ---------------------------------------------------------------------------
 
@@ -208,74 +196,22 @@ class ConnectorScheduler:
                 return 0, False
             if state.lookup is None or state.lookup_for != computed:
                 self._drop_outcome(state)
-                self._supersede_lookup(state)
+                self.lookups.supersede(state)
                 state.outcome = self.resolver.known_miss(state, computed)
                 if state.outcome is not None:  # nothing to lease: no round trip, no thread
                     return 0, False
-                if not self._admit_lookup():
+                if not self.lookups.start(state, computed, self.resolver.resolve):
                     self._count(C.LOOKUPS_SHED)
                     return 0, False
-                state.lookup_for = computed
-                state.lookup_waited = False
-                state.lookup_deadline = time.monotonic() + self.config.lookup_deadline_s
-                state.lookup = self._lookups.submit(self.resolver.resolve, state, computed)
-                state.lookup.add_done_callback(self._lookup_done)
-            # One step waits for a lookup, a little (what a node-local lookup takes, to save
-            # the request a step); while other requests run, a later step only looks whether
-            # it is done: a lookup that takes longer (a remote tier's index query on a loaded
-            # machine: tens of ms) must not block every step of the decodes beside it until it
-            # returns. An engine with nothing running waits each step (it would only spin).
-            busy = self._running > 0
-            wait = 0.0 if state.lookup_waited and busy else max(0.0, self._wait_left)
-            state.lookup_waited = True
-            waited_from = time.monotonic()
-            try:
-                state.outcome = state.lookup.result(timeout=wait)
-            except FutureTimeout:
-                if time.monotonic() < state.lookup_deadline:
-                    self._count(C.LOOKUPS_PENDING)
-                    return None, False  # vLLM asks again next step; the scheduler never blocks
-                self._count(C.LOOKUP_DEADLINE_MISSES)
-                log.warning(
-                    "kvtier: lookup for %s past its deadline: recompute", request.request_id
-                )
-                self._supersede_lookup(state)
+            answer = self.lookups.wait(state, request.request_id)
+            if answer == "pending":
+                return None, False  # vLLM asks again next step; the scheduler never blocks
+            if answer == "gave_up":
                 state.gave_up_for = computed
                 return 0, False
-            except Exception as exc:
-                log.warning("kvtier lookup failed for %s: %r", request.request_id, exc)
-                self._count(C.LOOKUP_ERRORS)
-                state.outcome = LookupOutcome(computed, computed // self.geometry.chunk_tokens)
-            finally:
-                waited = time.monotonic() - waited_from
-                self._wait_left -= waited
-                self._count(C.LOOKUP_WAIT_SECONDS, waited)
-                if not busy:  # held nothing up: the engine had nothing else to run
-                    self.idle_wait_s += waited
-            state.lookup = None
+            state.outcome = answer
         tokens = state.outcome.tokens
         return tokens, tokens > 0 and self.config.load_mode == "async"
-
-    def _admit_lookup(self) -> bool:
-        with self._in_flight_lock:
-            if self._in_flight >= self.config.max_pending_lookups:
-                return False
-            self._in_flight += 1
-            return True
-
-    def _lookup_done(self, _: Future[LookupOutcome]) -> None:
-        with self._in_flight_lock:
-            self._in_flight -= 1
-
-    def _supersede_lookup(self, state: RequestState) -> None:
-        """Forget the lookup in flight; whatever it leases is released when it completes."""
-        if state.lookup is not None:
-            state.lookup.add_done_callback(self._release_result)
-            state.lookup = None
-
-    def _release_result(self, future: Future[LookupOutcome]) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self._release(future.result())
 
     def _drop_outcome(self, state: RequestState) -> None:
         if state.outcome is not None and not state.outcome.consumed:
@@ -327,7 +263,7 @@ class ConnectorScheduler:
         if failed:
             self._count(C.STALE_EPOCH_LOADS)
         try:
-            chunks = self._copies(outcome, block_ids, num_external_tokens)
+            chunks = load_copies(geo, outcome, block_ids, num_external_tokens, self.null_block)
         except UnfillableBlocks as exc:  # never leave a block vLLM counts as loaded unfilled
             failed, chunks = str(exc), {}
         job = LoadJob(
@@ -343,41 +279,12 @@ class ConnectorScheduler:
             n = num_external_tokens // geo.block_size
             job.error_block_ids = tuple(real_blocks(geo, block_ids, first, n, self.null_block))
         self._pending_loads.append(job)
-        hits = _trim(outcome.sources, num_external_tokens)
+        hits = tokens_by_tier(outcome.sources, num_external_tokens)
         self._loading[request.request_id] = _Loading(job, outcome, hits)
         state.load_tokens = num_external_tokens
         state.save_from_chunk = (outcome.computed + num_external_tokens) // geo.chunk_tokens
         state.saved_upto = max(state.saved_upto, state.save_from_chunk)
         self.hit_sources[request.request_id] = dict(hits)
-
-    def _copies(
-        self, outcome: LookupOutcome, block_ids: GroupBlocks, num_external_tokens: int
-    ) -> dict[int, list[ChunkCopy]]:
-        """Per rank, the copies filling every real block of the loaded tokens: one per chunk
-        and KV cache group, consecutive blocks together."""
-        geo = self.geometry
-        first_block = outcome.computed // geo.block_size
-        n_blocks = num_external_tokens // geo.block_size
-        targets = load_blocks(geo, block_ids, first_block, n_blocks, self.null_block)
-        out: dict[int, list[ChunkCopy]] = {}
-        for rank, hits in outcome.hits.items():
-            copies: list[ChunkCopy] = []
-            for group, b, within, block_id in targets:
-                loc = hits[b // geo.blocks_per_chunk - outcome.first_chunk]
-                last = copies[-1] if copies else None
-                if (
-                    last is not None
-                    and last.extents == loc.extents
-                    and last.group == group
-                    and last.first_block + len(last.block_ids) == within
-                ):
-                    copies[-1] = dataclasses.replace(last, block_ids=(*last.block_ids, block_id))
-                else:
-                    copies.append(
-                        ChunkCopy(loc.extents, loc.checksum, within, (block_id,), loc.key, group)
-                    )
-            out[rank] = copies
-        return out
 
     def local_hit(self, req_id: str) -> int:
         """vLLM's own hit the last lookup of ``req_id`` was for (where external tokens start)."""
@@ -402,8 +309,7 @@ class ConnectorScheduler:
         self, scheduled: list[tuple[str, int, int]], preempted: set[str] | None = None
     ) -> KvtierMetadata:
         """``scheduled``: (req id, computed tokens before the step, tokens this step)."""
-        self._wait_left = self.config.lookup_wait_s  # the next step's lookups
-        self._running = len(scheduled)  # what the next step's lookups would hold up
+        self.lookups.new_step(running=len(scheduled))
         meta = KvtierMetadata(loads=self._pending_loads)
         self._pending_loads = []
         try:
@@ -574,7 +480,7 @@ class ConnectorScheduler:
             loading.hits = {}
         if state is None:
             return False
-        self._supersede_lookup(state)
+        self.lookups.supersede(state)
         if state.outcome is not None:
             if state.load_tokens:  # workers may still be copying under these leases
                 self._release_after_load[req_id] = state.outcome
@@ -593,23 +499,13 @@ class ConnectorScheduler:
     def shutdown(self) -> None:
         """Stop the threads; give back every lease still held (saves never sent, lookups never
         used), so a clean exit leaves the store as it found it."""
-        self._lookups.shutdown(wait=True, cancel_futures=True)
+        self.lookups.shutdown()
         self.saves.shutdown()  # stops the alloc thread once the saves' aborts ran
         for state in self._requests.values():
-            self._supersede_lookup(state)
+            self.lookups.supersede(state)
             self._drop_outcome(state)
         for loading in self._loading.values():
             self._release(loading.outcome)
         for outcome in self._release_after_load.values():
             self._release(outcome)
         self._ops.shutdown(wait=True)
-
-
-def _trim(sources: dict[str, int], tokens: int) -> dict[str, int]:
-    """The first ``tokens`` of a lookup's run, by the tier they came from (in order)."""
-    out: dict[str, int] = {}
-    for tier, n in sources.items():
-        take = min(n, tokens - sum(out.values()))
-        if take > 0:
-            out[tier] = take
-    return out

@@ -202,8 +202,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._contained("get_num_new_matched_tokens", exc)
             return 0, False
         finally:  # an idle engine's wait for a lookup held no step up: not hook time
-            self._hook_s -= self.scheduler.idle_wait_s
-            self.scheduler.idle_wait_s = 0.0
+            self._hook_s -= self.scheduler.lookups.idle_wait_s
+            self.scheduler.lookups.idle_wait_s = 0.0
 
     @_timed
     def update_state_after_alloc(

@@ -31,6 +31,18 @@ try:
 except ImportError:  # the core install has no matplotlib; its tests skip
     pass
 
+# vLLM inspects a model class in a subprocess of its own the first time a machine builds a
+# config of it (then from its model-info cache, under VLLM_CACHE_ROOT): a process of the
+# library's, not the test's. Done here, before any test runs, for the one class the unit tier
+# builds configs of (the tiny Llama).
+try:
+    from vllm.model_executor.models.registry import ModelRegistry
+except ImportError:  # the core install has no vLLM; its tests skip
+    pass
+else:
+    if ModelRegistry._try_inspect_model_cls("LlamaForCausalLM") is None:
+        raise RuntimeError("vLLM could not inspect LlamaForCausalLM (its log says why)")
+
 RULE = "a unit test starts no process (tests/unit/conftest.py): move it to tests/integration"
 
 

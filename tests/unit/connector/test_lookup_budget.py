@@ -17,7 +17,7 @@ from support.engine_rig import EngineRig
 
 def _slow_store(rig: EngineRig, seconds: float) -> None:
     scheduler = rig.connector.scheduler
-    scheduler._lookups = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lookup")  # served
+    scheduler.lookups.executor = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lookup")
     resolve = scheduler.resolver.resolve
 
     def slow(state, computed):
@@ -50,7 +50,7 @@ def test_one_wait_budget_per_step_and_a_bounded_queue(tmp_path: Path) -> None:
         assert all(rig.outputs_of(f"r{i}") for i in range(40))
         assert rig.wrong == []
     finally:
-        rig.connector.scheduler._lookups.shutdown(wait=True, cancel_futures=True)
+        rig.connector.scheduler.lookups.shutdown()
         rig.close()
 
 
@@ -78,7 +78,7 @@ def test_a_slow_lookup_is_waited_for_in_one_step_only(tmp_path: Path) -> None:
         assert rig.outputs_of("slow") and len(rig.outputs_of("decoding")) == 40
         assert rig.wrong == []
     finally:
-        rig.connector.scheduler._lookups.shutdown(wait=True, cancel_futures=True)
+        rig.connector.scheduler.lookups.shutdown()
         rig.close()
 
 
@@ -110,5 +110,5 @@ def test_an_idle_engine_waits_each_step_but_not_on_its_hook_clock(tmp_path: Path
         rig.run()
         assert rig.outputs_of("alone") and rig.wrong == []
     finally:
-        rig.connector.scheduler._lookups.shutdown(wait=True, cancel_futures=True)
+        rig.connector.scheduler.lookups.shutdown()
         rig.close()
