@@ -25,6 +25,7 @@ class ErrorCode(enum.StrEnum):
     PERMISSION_DENIED = "PERMISSION_DENIED"  # the credential does not allow this call/namespace
     LIMIT_EXCEEDED = "LIMIT_EXCEEDED"  # a configured bound (namespaces, sessions, batch share)
     UNKNOWN_SESSION = "UNKNOWN_SESSION"  # session closed or timed out: open a new one
+    UNSUPPORTED = "UNSUPPORTED"  # the service does not offer this (an index with no change feed)
     INTERNAL = "INTERNAL"
 
 

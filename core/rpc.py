@@ -57,6 +57,7 @@ GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 

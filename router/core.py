@@ -34,6 +34,7 @@ from typing import IO, Any
 from kvtier.core.chunks import Tier
 from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.index.api import ChunkIndex, LocationKind, Query, QueryResult
+from kvtier.index.client.replica import IndexReplica
 from kvtier.router.backends import Backend, Backends, NoBackend
 from kvtier.router.index_gate import IndexGate
 from kvtier.router.policies import Candidate, Coverage, Decision, Policy, RouteRequest
@@ -181,8 +182,10 @@ class RoutingCore:
             Query(ns, keys=keys_of[ns]) if ns in keys_of else Query(ns, tokens=token_ids)
             for ns in namespaces
         ]
-        # None (past the deadline, failed): routing by load only, never an error
-        results = self.gate.call("query", self.index.query, queries) or []
+        if isinstance(self.index, IndexReplica) and self.index.fresh():
+            results = self.index.copy.query(queries)  # in this process: no deadline needed
+        else:  # None (past the deadline, failed): routing by load only, never an error
+            results = self.gate.call("query", self.index.query, queries) or []
         by_ns = {r.ns_id: r for r in results}
         for b in backends:
             if b.namespace is None:
@@ -219,8 +222,15 @@ class RoutingCore:
         self._namespaces.update({k: v for k, v in known.items() if v is not None})
 
     def index_state(self) -> dict[str, Any]:
-        """For ``/readyz``: ``index`` none (not configured), ok or degraded (and why)."""
-        return self.gate.state() if self.index is not None else {"index": "none"}
+        """For ``/readyz``: ``index`` none (not configured), ok or degraded (and why); with a
+        replica, ok while it is fresh (decisions read it), else what the direct queries met."""
+        if self.index is None:
+            return {"index": "none"}
+        if isinstance(self.index, IndexReplica):
+            replica = self.index.replica_state()
+            state = {"index": "ok"} if replica["fresh"] else self.gate.state()
+            return {**state, "replica": replica}
+        return self.gate.state()
 
     def _chunk_tokens(self, ns_id: bytes) -> int:
         namespace = self._namespace(ns_id)

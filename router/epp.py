@@ -540,14 +540,14 @@ def serve(config: KvtierConfig) -> None:
     """Run the endpoint picker until SIGINT/SIGTERM. Prints a JSON ready line."""
     from kvtier.core.auth import check_exposure
     from kvtier.core.rpc import ClientAuth
-    from kvtier.index.client import connect as connect_index
+    from kvtier.router.service import router_index
 
     rc = config.router
     # It decides where GPU time goes: off loopback it needs credentials (requests then carry
     # a client token, checked here) or mTLS.
     check_exposure("kvtier router epp", [rc.epp_host], config.auth)
     auth = ClientAuth.from_config(config.auth)
-    index = connect_index(config.index, auth) if config.index.address else None
+    index = router_index(config, auth)
     epp = Epp(
         rc, index, authenticator=Authenticator(config.auth), anonymous=is_anonymous(config.auth)
     )

@@ -29,6 +29,7 @@ from kvtier.core.auth import Authenticator
 from kvtier.core.config import KvtierConfig
 from kvtier.core.config.router import RouterConfig
 from kvtier.core.http import server_config
+from kvtier.core.rpc import ClientAuth
 from kvtier.index.api import ChunkIndex
 from kvtier.router.backends import Backend, Backends
 from kvtier.router.core import RoutingCore
@@ -203,14 +204,12 @@ def build(
 def serve(config: KvtierConfig) -> None:
     """Run the router until SIGINT/SIGTERM (uvicorn's handlers). Prints a JSON ready line."""
     from kvtier.core.auth import check_exposure
-    from kvtier.core.rpc import ClientAuth
-    from kvtier.index.client import connect as connect_index
 
     rc = config.router
     # The front door spends GPU time: off loopback it needs credentials (role client).
     check_exposure("kvtier router", [rc.host], config.auth)
     auth = ClientAuth.from_config(config.auth)
-    index = connect_index(config.index, auth) if config.index.address else None
+    index = router_index(config, auth)
     app, _ = build(
         rc, index, authenticator=Authenticator(config.auth), anonymous=is_anonymous(config.auth)
     )
@@ -245,3 +244,17 @@ def serve(config: KvtierConfig) -> None:
         await task
 
     asyncio.run(main())
+
+
+def router_index(config: KvtierConfig, auth: ClientAuth) -> ChunkIndex | None:
+    """The index a router reads (``index.address``): its replica (``router.index_replica``)
+    or its client; None when no index is configured."""
+    from kvtier.index.client import connect
+    from kvtier.index.client.replica import IndexReplica
+
+    if not config.index.address:
+        return None
+    index = connect(config.index, auth)
+    if not config.router.index_replica:
+        return index
+    return IndexReplica(index, config.router.index_replica_max_stale_s)

@@ -3,11 +3,14 @@
     kvtier bench router [--backends 16] [--max-tokens 32768] [--turn-tokens 1024]
 
 An agentic session grows by ``--turn-tokens`` a turn up to ``--max-tokens``; each turn is a
-chat request the router tokenizes (incrementally, per session), keys, asks a real
-``kvtier index serve`` process about (16 instances registered, half of them holding part of
-the prompt on GPU, their nodes' stores holding more) and scores with the policy. Reported at
-the longest prompts, p50/p99 of each step and of the whole decision, beside floors measured in
-the same run: tokenizing the whole conversation from scratch, and a bare index round trip.
+chat request the router tokenizes (incrementally, per session), keys, looks up in the index
+(16 instances registered with a real ``kvtier index serve`` process, half of them holding part
+of the prompt on GPU, their nodes' stores holding more) and scores with the policy. Each
+decision is made twice, in alternating order, by the same router state: asking the index
+over gRPC ("index queried") and reading the router's replica of it, kept current from the
+index's change feed ("index replica", the default). Reported at the longest prompts, p50/p99
+of each step and of the whole decision, beside floors measured in the same run: tokenizing
+the whole conversation from scratch, a bare index round trip, and the replica's query alone.
 
 The tokenizer is a byte-level BPE trained here on synthetic text (no downloads): what a real
 model's tokenizer costs per character, within a small factor.
@@ -28,6 +31,7 @@ from kvtier.core.config.router import BackendConfig, RouterConfig
 from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.index.api import ChunkOp, LocationKind, Query, Registration
 from kvtier.index.client.grpc import GrpcIndexClient
+from kvtier.index.client.replica import IndexReplica
 from kvtier.router.backends import Backends
 from kvtier.router.core import RoutingCore
 from kvtier.router.policies import make_policy
@@ -99,9 +103,11 @@ def run(
     turn_tokens: int = 1024,
     sessions: int = 8,
     policy: str = "kvtier",
-    tail_tokens: int = 24576,
+    tail_tokens: int | None = None,
 ) -> dict:
-    """Decisions at prompts of ``tail_tokens``..``max_tokens`` are the ones reported."""
+    """Decisions at prompts of ``tail_tokens`` (default: 3/4 of ``max_tokens``) up to
+    ``max_tokens`` are the ones reported."""
+    tail_tokens = tail_tokens if tail_tokens is not None else max_tokens * 3 // 4
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-router-") as tmp:
         model = make_tokenizer(Path(tmp) / "tok")
         tokenizer = PromptTokenizer(str(model))
@@ -122,9 +128,21 @@ def run(
             )
             table = Backends(config, index)  # refresh() learns their namespaces and nodes
             table.refresh()
-            core = RoutingCore(table, make_policy(policy), index, speculative_s=0)
-            steps: dict[str, list[float]] = {k: [] for k in ("tokenize", "route", "decision")}
-            floors: dict[str, list[float]] = {"tokenize_whole": [], "index_round_trip": []}
+            replica = IndexReplica(GrpcIndexClient(index_service.address), max_stale_s=60)
+            while not (replica.fresh() and replica.seq and replica.copy.locations()):
+                time.sleep(0.05)  # the snapshot of what _populate wrote
+            cores = {
+                "index queried": RoutingCore(table, make_policy(policy), index, speculative_s=0),
+                "index replica": RoutingCore(table, make_policy(policy), replica, speculative_s=0),
+            }
+            steps: dict[str, list[float]] = {"tokenize": []}
+            for mode in cores:
+                steps[f"route, {mode}"], steps[f"decision, {mode}"] = [], []
+            floors: dict[str, list[float]] = {
+                "tokenize_whole": [],
+                "index_round_trip": [],
+                "replica_query": [],
+            }
             turns = max_tokens // turn_tokens
             with tqdm(total=sessions * turns, desc="decisions", unit="req") as bar:
                 for s in range(sessions):
@@ -138,13 +156,19 @@ def run(
                         if len(ids) > max_tokens:
                             bar.update(1)
                             continue
-                        start = time.perf_counter()
-                        core.route(ids, len(ids), f"s{s}")
-                        t_route = time.perf_counter() - start
+                        order = list(cores.items())
+                        if len(ids) % 2:  # alternate which goes first
+                            order.reverse()
+                        t_route = {}
+                        for mode, core in order:
+                            start = time.perf_counter()
+                            core.route(ids, len(ids), f"s{s}")
+                            t_route[mode] = time.perf_counter() - start
                         if len(ids) >= tail_tokens:
                             steps["tokenize"].append(t_tok)
-                            steps["route"].append(t_route)
-                            steps["decision"].append(t_tok + t_route)
+                            for mode, seconds in t_route.items():
+                                steps[f"route, {mode}"].append(seconds)
+                                steps[f"decision, {mode}"].append(t_tok + seconds)
                             start = time.perf_counter()
                             tokenizer.chat_ids(body)  # floor: the whole conversation, again
                             floors["tokenize_whole"].append(time.perf_counter() - start)
@@ -152,9 +176,13 @@ def run(
                             start = time.perf_counter()
                             index.query(query)  # floor: one bare index round trip
                             floors["index_round_trip"].append(time.perf_counter() - start)
+                            start = time.perf_counter()
+                            replica.copy.query(query)  # floor: the replica's lookup alone
+                            floors["replica_query"].append(time.perf_counter() - start)
                         bar.update(1)
                         messages.append({"role": "assistant", "content": _text(rng, 64)})
             index.close()
+            replica.close()
         finally:
             index_service.stop()
     return {

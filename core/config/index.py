@@ -83,6 +83,13 @@ class IndexConfig(Section):
         "source not down), or any source whose writes the index does not take, or one "
         "standing by while no replica writes it",
     )
+    feed_changes: int = Field(
+        65536,
+        ge=0,
+        description="writes the change feed keeps for routers' in-process replicas (router."
+        "index_replica); a replica further behind loads a snapshot again. 0: no feed (routers "
+        "query). The redis backend keeps none (replicas of the index share it)",
+    )
     max_dynamic_followers: int = Field(
         256,
         ge=0,

@@ -203,6 +203,19 @@ class RouterConfig(Section):
         "index: degraded). Raise it for an index across a slow network; lower it where a "
         "stalled index must cost even less (misses rise on a busy router: docs/router.md)",
     )
+    index_replica: bool = Field(
+        True,
+        description="keep a copy of the index in the router's process, loaded from a snapshot "
+        "and kept current from the index's change feed, and answer decisions from it (no "
+        "round trip per request; docs/router.md, 'The index replica'); off: ask the index "
+        "each decision",
+    )
+    index_replica_max_stale_s: float = Field(
+        2.0,
+        gt=0,
+        description="the replica answers only while it heard from the feed this recently; "
+        "past it decisions ask the index directly until the replica is current again",
+    )
     max_in_flight: int = Field(
         256, ge=1, description="per instance; beyond it the instance counts as saturated"
     )

@@ -44,6 +44,7 @@ from kvtier.index.api import (
     unknown_location,
     unserved_namespace,
 )
+from kvtier.index.client.changes import LocationDump
 from kvtier.store.api.events import EventKind
 
 _NO_CURSOR = Cursor(0, 0)
@@ -375,3 +376,38 @@ class MemoryIndex(ChunkIndex):
 
     def health(self) -> tuple[IndexHealth, str]:
         return IndexHealth.OK, "in-memory backend"
+
+    # -- copies (the change feed's snapshots, a router's replica: index/server/feed.py) ------
+
+    def dump(self) -> tuple[dict[bytes, Namespace | None], list[LocationDump]]:
+        """Every namespace and location with its entries (key -> when stored)."""
+        with self._lock:
+            locations = [
+                LocationDump(
+                    loc.info(),
+                    {t: dict(loc.entries[i]) for i, t in enumerate(INDEX_TIERS) if loc.entries[i]},
+                )
+                for loc in self._locs.values()
+            ]
+            return dict(self._ns), locations
+
+    def load(
+        self, namespaces: Mapping[bytes, Namespace | None], locations: Sequence[LocationDump]
+    ) -> None:
+        """Become a copy of a dump: what was here before is forgotten."""
+        with self._lock:
+            self._ns = dict(namespaces)
+            self._locs, self._by_idx, self._free, self._holders = {}, [], [], {}
+            for dumped in locations:
+                info = dumped.info
+                loc = _Location(info.registration, len(self._by_idx), info.last_seen)
+                loc.status, loc.cursor = info.status, info.cursor
+                self._by_idx.append(loc)
+                self._locs[info.registration.location] = loc
+                for tier, entries in dumped.entries.items():
+                    i = TIER_INDEX[tier]
+                    bit = 1 << (loc.idx * TIER_BITS + i)
+                    for key in entries:
+                        self._holders[key] = self._holders.get(key, 0) | bit
+                    loc.entries[i].update(entries)
+            self._low = fold_mask(len(self._by_idx))

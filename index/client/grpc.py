@@ -11,7 +11,7 @@ Threading: thread-safe (one channel; gRPC stubs are thread-safe).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -31,7 +31,8 @@ from kvtier.index.api import (
     QueryResult,
     Registration,
 )
-from kvtier.index.client import wire
+from kvtier.index.client import feed_wire, wire
+from kvtier.index.client.changes import FeedBatch, IndexDump
 from kvtier.index.proto import index_pb2 as pb
 from kvtier.index.proto import index_pb2_grpc
 
@@ -156,6 +157,31 @@ class GrpcIndexClient(ChunkIndex):
     def health(self) -> tuple[IndexHealth, str]:
         reply = self._call("Stats", pb.StatsRequest())
         return IndexHealth(reply.health), reply.health_reason
+
+    # -- the change feed (a router's replica: router/index_replica.py) --------------------------
+
+    def follow(self, epoch: str, after: int, limit: int = 4096, wait_s: float = 0.0) -> FeedBatch:
+        """Changes after ``after`` of feed ``epoch``, waiting up to ``wait_s`` (the server caps
+        it) for one when there is none yet."""
+        request = pb.FollowRequest(epoch=epoch, after=after, limit=limit, wait_s=wait_s)
+        try:
+            reply = self._stub.Follow(request, timeout=self.timeout_s + wait_s)
+        except grpc.RpcError as exc:
+            raise rpc.error_from_rpc(exc, f"index {self.address}") from None
+        return feed_wire.batch_from_pb(reply)
+
+    def snapshot(self) -> IndexDump:
+        """The whole index and the feed position it is as of, fetched part by part."""
+        first = self._call("Snapshot", pb.SnapshotRequest())
+
+        def parts() -> Iterator[pb.SnapshotPart]:
+            yield first
+            for part in range(1, first.parts):
+                yield self._call(
+                    "Snapshot", pb.SnapshotRequest(snapshot_id=first.snapshot_id, part=part)
+                )
+
+        return feed_wire.dump_from_parts(parts())
 
     def close(self) -> None:
         self._channel.close()

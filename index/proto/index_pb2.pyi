@@ -272,6 +272,92 @@ class ClaimReply(_message.Message):
     granted: bool
     def __init__(self, granted: _Optional[bool] = ...) -> None: ...
 
+class Change(_message.Message):
+    __slots__ = ("seq", "namespace", "register", "unregister", "drop", "apply", "replace", "heartbeat")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    UNREGISTER_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
+    APPLY_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    namespace: RegisterNamespaceRequest
+    register: Registration
+    unregister: str
+    drop: str
+    apply: ApplyRequest
+    replace: ReplaceRequest
+    heartbeat: HeartbeatRequest
+    def __init__(self, seq: _Optional[int] = ..., namespace: _Optional[_Union[RegisterNamespaceRequest, _Mapping]] = ..., register: _Optional[_Union[Registration, _Mapping]] = ..., unregister: _Optional[str] = ..., drop: _Optional[str] = ..., apply: _Optional[_Union[ApplyRequest, _Mapping]] = ..., replace: _Optional[_Union[ReplaceRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ...) -> None: ...
+
+class FollowRequest(_message.Message):
+    __slots__ = ("epoch", "after", "limit", "wait_s")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    after: int
+    limit: int
+    wait_s: float
+    def __init__(self, epoch: _Optional[str] = ..., after: _Optional[int] = ..., limit: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class FollowReply(_message.Message):
+    __slots__ = ("epoch", "gap", "last", "changes")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    gap: bool
+    last: int
+    changes: _containers.RepeatedCompositeFieldContainer[Change]
+    def __init__(self, epoch: _Optional[str] = ..., gap: _Optional[bool] = ..., last: _Optional[int] = ..., changes: _Optional[_Iterable[_Union[Change, _Mapping]]] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("snapshot_id", "part")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    part: int
+    def __init__(self, snapshot_id: _Optional[str] = ..., part: _Optional[int] = ...) -> None: ...
+
+class TierEntries(_message.Message):
+    __slots__ = ("tier", "keys", "stored_at")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    STORED_AT_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    keys: bytes
+    stored_at: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tier: _Optional[str] = ..., keys: _Optional[bytes] = ..., stored_at: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class LocationDump(_message.Message):
+    __slots__ = ("info", "tiers")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    info: LocationInfo
+    tiers: _containers.RepeatedCompositeFieldContainer[TierEntries]
+    def __init__(self, info: _Optional[_Union[LocationInfo, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierEntries, _Mapping]]] = ...) -> None: ...
+
+class SnapshotPart(_message.Message):
+    __slots__ = ("snapshot_id", "parts", "epoch", "seq", "namespaces", "locations")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    parts: int
+    epoch: str
+    seq: int
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceEntry]
+    locations: _containers.RepeatedCompositeFieldContainer[LocationDump]
+    def __init__(self, snapshot_id: _Optional[str] = ..., parts: _Optional[int] = ..., epoch: _Optional[str] = ..., seq: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceEntry, _Mapping]]] = ..., locations: _Optional[_Iterable[_Union[LocationDump, _Mapping]]] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -99,6 +99,16 @@ class IndexStub:
                 request_serializer=index__pb2.StatsRequest.SerializeToString,
                 response_deserializer=index__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Follow = channel.unary_unary(
+                '/kvtier.index.v1.Index/Follow',
+                request_serializer=index__pb2.FollowRequest.SerializeToString,
+                response_deserializer=index__pb2.FollowReply.FromString,
+                _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/kvtier.index.v1.Index/Snapshot',
+                request_serializer=index__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=index__pb2.SnapshotPart.FromString,
+                _registered_method=True)
 
 
 class IndexServicer:
@@ -182,6 +192,18 @@ class IndexServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Follow(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Snapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +271,16 @@ def add_IndexServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=index__pb2.StatsRequest.FromString,
                     response_serializer=index__pb2.StatsReply.SerializeToString,
+            ),
+            'Follow': grpc.unary_unary_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=index__pb2.FollowRequest.FromString,
+                    response_serializer=index__pb2.FollowReply.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=index__pb2.SnapshotRequest.FromString,
+                    response_serializer=index__pb2.SnapshotPart.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -602,6 +634,60 @@ class Index:
             '/kvtier.index.v1.Index/Stats',
             index__pb2.StatsRequest.SerializeToString,
             index__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.index.v1.Index/Follow',
+            index__pb2.FollowRequest.SerializeToString,
+            index__pb2.FollowReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.index.v1.Index/Snapshot',
+            index__pb2.SnapshotRequest.SerializeToString,
+            index__pb2.SnapshotPart.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,10 +22,12 @@ from kvtier.core import rpc
 from kvtier.core.auth import Permission
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import unpack_keys
-from kvtier.index.client import wire
+from kvtier.index.client import feed_wire, wire
+from kvtier.index.client.changes import NO_FEED
 from kvtier.index.proto import index_pb2 as pb
 from kvtier.index.proto import index_pb2_grpc
 from kvtier.index.server.access import IndexAccess
+from kvtier.index.server.feed import FeedingIndex
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +48,81 @@ INDEX_PERMISSIONS: Mapping[str, Permission] = {
     # claim there stops every replica writing the source (until it lapses), so admins only
     "Claim": P.INDEX_ADMIN,
     "Namespaces": P.INDEX_LIST,  # every tenant's namespace: routers and admins, not engines
+    # the change feed and its snapshots carry every tenant's namespaces and chunks: the same
+    "Follow": P.INDEX_LIST,
+    "Snapshot": P.INDEX_LIST,
     "Drop": P.INDEX_ADMIN,
     "Reap": P.INDEX_ADMIN,
 }
 
 
+FOLLOW_WAIT_S = 1.0  # longest a Follow waits for a change (it holds a gRPC worker meanwhile)
+FOLLOW_LIMIT = 4096  # changes in one Follow reply at most
+SNAPSHOT_KEEP_S = 60.0  # a snapshot's parts are kept this long for the calls that fetch them
+
+
+class SnapshotParts:
+    """Snapshots taken, cut into parts, kept for the calls that fetch their other parts (the
+    newest few, for ``SNAPSHOT_KEEP_S``)."""
+
+    def __init__(self, feeding: FeedingIndex) -> None:
+        self.feeding = feeding
+        self._taken: dict[str, tuple[float, list[pb.SnapshotPart]]] = {}
+        self._lock = threading.Lock()
+
+    def part(self, snapshot_id: str, part: int) -> pb.SnapshotPart:
+        now = time.monotonic()
+        with self._lock:
+            for sid, (at, _) in list(self._taken.items()):
+                if now - at > SNAPSHOT_KEEP_S:
+                    del self._taken[sid]
+            if not snapshot_id:
+                snapshot_id = secrets.token_hex(8)
+                parts = feed_wire.dump_to_parts(self.feeding.snapshot(), snapshot_id)
+                while len(self._taken) >= 4:
+                    del self._taken[next(iter(self._taken))]
+                self._taken[snapshot_id] = (now, parts)
+            taken = self._taken.get(snapshot_id)
+            if taken is None:
+                raise KvtierError(ErrorCode.INVALID_ARGUMENT, "snapshot expired: take another")
+            if part >= len(taken[1]):
+                raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"no part {part} in the snapshot")
+            return taken[1][part]
+
+
 class IndexServicer(index_pb2_grpc.IndexServicer):
-    def __init__(self, access: IndexAccess, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        access: IndexAccess,
+        stats: Callable[[], dict[str, Any]],
+        feeding: FeedingIndex | None = None,
+    ) -> None:
+        """``feeding``: the backend with its change feed (None: Follow and Snapshot refused)."""
         self.access = access
         self.index = access.index
         self._stats = stats
+        self.feeding = feeding if feeding is not None and feeding.feeds else None
+        self._snapshots = SnapshotParts(self.feeding) if self.feeding is not None else None
+
+    @rpc.handler
+    def Follow(self, request: pb.FollowRequest, context: grpc.ServicerContext) -> pb.FollowReply:
+        if self.feeding is None:
+            raise KvtierError(ErrorCode.UNSUPPORTED, NO_FEED)
+        batch = self.feeding.feed.read(
+            request.epoch,
+            request.after,
+            min(request.limit or FOLLOW_LIMIT, FOLLOW_LIMIT),
+            min(max(request.wait_s, 0.0), FOLLOW_WAIT_S),
+        )
+        return feed_wire.batch_to_pb(batch)
+
+    @rpc.handler
+    def Snapshot(
+        self, request: pb.SnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.SnapshotPart:
+        if self._snapshots is None:
+            raise KvtierError(ErrorCode.UNSUPPORTED, NO_FEED)
+        return self._snapshots.part(request.snapshot_id, request.part)
 
     @rpc.handler
     def Query(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.QueryReply:
@@ -162,10 +232,12 @@ def start_grpc_server(
     port: int,
     workers: int = 8,
     security: rpc.ServerSecurity | None = None,
+    feeding: FeedingIndex | None = None,
 ) -> tuple[grpc.Server, int]:
     """Serve the index on host:port (port 0 picks a free one). Returns (server, bound port).
-    ``security``: who may call what (``INDEX_PERMISSIONS``); ``access``: on what."""
-    servicer = IndexServicer(access, stats)
+    ``security``: who may call what (``INDEX_PERMISSIONS``); ``access``: on what; ``feeding``:
+    the backend's change feed, for Follow and Snapshot."""
+    servicer = IndexServicer(access, stats, feeding)
     return rpc.start_server(
         [(index_pb2_grpc.add_IndexServicer_to_server, servicer)],
         host,

@@ -30,6 +30,7 @@ from kvtier.index.api import ChunkIndex, ForwardingIndex, IndexHealth
 from kvtier.index.client import connect  # noqa: F401 - kvtier.index.server.service.connect, kept
 from kvtier.index.ingest.manager import IngestManager, ResyncGate
 from kvtier.index.server.access import IndexAccess
+from kvtier.index.server.feed import ChangeFeed, FeedingIndex
 from kvtier.index.server.grpc import INDEX_PERMISSIONS, start_grpc_server
 from kvtier.index.server.http import build_app, location_json
 from kvtier.index.server.metrics import build_registry
@@ -112,6 +113,10 @@ class IndexService:
             authenticator, INDEX_PERMISSIONS, auth.tls if auth.tls.enabled else None
         )
         backend = backend if backend is not None else build_backend(config)
+        # every write, the followers' and the API's, passes the change feed first
+        feeding = None
+        if config.feed_changes:
+            backend = feeding = FeedingIndex(backend, ChangeFeed(config.feed_changes))
         ingest: IngestManager | None = None
         try:
             ingest = IngestManager(
@@ -138,6 +143,7 @@ class IndexService:
                 config.grpc_port,
                 config.grpc_workers,
                 security=security,
+                feeding=feeding,
             )
             started = threading.Event()
             http = HttpServer(

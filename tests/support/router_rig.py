@@ -41,10 +41,13 @@ def start_router(args: list[str], env: dict[str, str] | None = None) -> Service:
 
 
 @contextlib.contextmanager
-def router_over_announced(api_url: str) -> Iterator[tuple[Service, Service]]:
+def router_over_announced(
+    api_url: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[Service, Service]]:
     """(index, router): an index where the instance "inst" at ``api_url`` is announced with a
     namespace (so token ids become chunk keys the router asks about), and a router that
-    discovered it and is ready. Stopped on exit (the index with SIGCONT first)."""
+    discovered it and is ready (``env``: its configuration). Stopped on exit (the index with
+    SIGCONT first)."""
     index = start_index()
     router: Service | None = None
     try:
@@ -57,7 +60,7 @@ def router_over_announced(api_url: str) -> Iterator[tuple[Service, Service]]:
             )
         )
         client.close()
-        router = start_router(["--index", index.address])
+        router = start_router(["--index", index.address], env)
         url = router_url(router)
         wait_for(lambda: httpx.get(f"{url}/readyz").status_code == 200, what="router ready")
         yield index, router

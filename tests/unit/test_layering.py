@@ -29,6 +29,9 @@ EXCEPTIONS = {
     # embedded mode: the store / index run in the caller's process behind the same interface
     ("kvtier.store.client", "kvtier.store.node"),
     ("kvtier.index.client", "kvtier.index.server.service"),
+    # a router's replica of the index is the in-memory backend itself, fed by the change feed:
+    # the same answers as the index by construction (index/client/replica.py)
+    ("kvtier.index.client.replica", "kvtier.index.backends.memory"),
 }
 
 

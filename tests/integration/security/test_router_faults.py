@@ -41,12 +41,20 @@ class Fleet:
         return router_url(self.router)
 
 
-@pytest.fixture
-def fleet() -> Iterator[Fleet]:
-    """An index, one instance announced to it with its namespace, a router discovering it."""
+STALE_S = 0.5  # the router's replica of the index: how stale it may answer
+
+
+@pytest.fixture(params=["replica", "queries"])
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    """An index, one instance announced to it with its namespace, a router discovering it
+    (deciding from its replica of the index, or asking the index each decision)."""
     stub = StubBackend("inst")
+    env = {
+        "KVTIER_ROUTER__INDEX_REPLICA": str(request.param == "replica").lower(),
+        "KVTIER_ROUTER__INDEX_REPLICA_MAX_STALE_S": str(STALE_S),
+    }
     try:
-        with router_over_announced(stub.url) as (index, router):
+        with router_over_announced(stub.url, env) as (index, router):
             yield Fleet(index, stub, router)
     finally:
         stub.stop()
@@ -64,6 +72,8 @@ def test_a_frozen_index_costs_requests_its_deadline_not_its_timeout(fleet: Fleet
     assert status == 200
     os.kill(fleet.index.proc.pid, signal.SIGSTOP)
     try:
+        # a replica answers from its copy while it is fresh, then the decisions ask the index
+        time.sleep(STALE_S + 0.2)
         for _ in range(6):  # more requests than the gate has slots for late calls
             status, seconds = timed_post(url)
             assert status == 200
