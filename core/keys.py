@@ -141,8 +141,9 @@ def salt_digest(salt: str | None) -> str:
     return hashlib.sha256(SALT_DOMAIN + raw).digest()[:KEY_BYTES].hex()
 
 
-def _token_bytes(tokens: Sequence[int] | Any) -> memoryview:
-    """Little-endian uint32 bytes of ``tokens`` (a list, array or numpy/torch-like array)."""
+def token_bytes(tokens: Sequence[int] | Any) -> memoryview:
+    """Little-endian uint32 bytes of ``tokens`` (a list, array or numpy/torch-like array):
+    what a chunk's key hashes."""
     if isinstance(tokens, array.array) and tokens.typecode == "I" and tokens.itemsize == 4:
         packed = tokens
     elif hasattr(tokens, "astype") and hasattr(tokens, "tobytes"):  # numpy
@@ -218,7 +219,7 @@ def chunk_keys(
         n_chunks = min(n_chunks, max_chunks)
     if n_chunks == 0:
         return []
-    data = _token_bytes(tokens[: n_chunks * chunk_tokens])
+    data = token_bytes(tokens[: n_chunks * chunk_tokens])
     step = chunk_tokens * 4
     keys: list[ChunkKey] = []
     prev = parent

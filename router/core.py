@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvtier.core.chunks import Tier
-from kvtier.core.keys import Namespace, prompt_keys
+from kvtier.core.keys import Namespace
 from kvtier.index.api import ChunkIndex, LocationKind, Query, QueryResult
 from kvtier.index.client.replica import IndexReplica
 from kvtier.router.backends import Backend, Backends, NoBackend
 from kvtier.router.index_gate import IndexGate
 from kvtier.router.policies import Candidate, Coverage, Decision, Policy, RouteRequest
+from kvtier.router.session_keys import SessionKeys
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class RoutingCore:
         self.index = index
         self.gate = IndexGate(index_timeout_s, on_index_degraded)
         self.speculative = Speculative(speculative_s)
+        self.session_keys = SessionKeys()  # a session's next turn hashes only its new chunks
         self._policy_lock = threading.Lock()
         self._namespaces: dict[bytes, Namespace] = {}
         self._list_after = 0.0  # next time an unknown namespace may make us list them
@@ -140,7 +142,7 @@ class RoutingCore:
             backends = [b for b in backends if b.name in subset or _hostport(b.url) in subset]
             if not backends:
                 raise NoBackend(False, "no healthy instance in the requested subset")
-        coverage, keys_of = self._coverage(backends, token_ids)
+        coverage, keys_of = self._coverage(backends, token_ids, session)
         candidates = [
             Candidate(b.name, b.load(), coverage.get(b.name, Coverage())) for b in backends
         ]
@@ -165,7 +167,7 @@ class RoutingCore:
     # -- coverage ----------------------------------------------------------------------------
 
     def _coverage(
-        self, backends: Sequence[Backend], token_ids: Sequence[int] | None
+        self, backends: Sequence[Backend], token_ids: Sequence[int] | None, session: str | None
     ) -> tuple[dict[str, Coverage], dict[bytes, list[bytes]]]:
         out: dict[str, Coverage] = {}
         keys_of: dict[bytes, list[bytes]] = {}
@@ -177,7 +179,7 @@ class RoutingCore:
         for ns in namespaces:
             namespace = self._namespace(ns)
             if namespace is not None:  # keys here: 16 bytes a chunk on the wire, not 4 a token
-                keys_of[ns] = prompt_keys(namespace, token_ids)
+                keys_of[ns] = self.session_keys.keys(namespace, ns, token_ids, session)
         queries = [
             Query(ns, keys=keys_of[ns]) if ns in keys_of else Query(ns, tokens=token_ids)
             for ns in namespaces

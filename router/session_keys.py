@@ -1,0 +1,76 @@
+"""Chunk keys per session: a conversation's next turn hashes only its own new chunks.
+
+A routing decision keys the whole prompt (SHA-256 over every 256-token chunk, chained: ~1 ms
+at 32k tokens, ~4 ms at 128k here) although an agentic session resends the same history each
+turn with a little appended. ``SessionKeys`` keeps, per session and namespace, the token
+bytes its last prompt's keys cover and those keys; a new prompt whose leading chunks are
+byte-for-byte the same reuses their keys and hashes the rest, chained from the last reused
+key. A prompt that changed anything earlier (an edited or trimmed history) is keyed whole:
+a reused key is always the key of the same tokens, so routing never credits an instance
+with chunks that differ from the prompt's.
+
+Bounded by the token bytes kept (``max_tokens`` x 4 bytes, least recently used session
+first). Threading: any number of decision threads; one lock around the table (keys are
+computed outside it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, prompt_keys, token_bytes
+
+TOKEN_BYTES = 4
+
+
+class SessionKeys:
+    def __init__(self, max_tokens: int = 1 << 24) -> None:
+        """``max_tokens``: tokens whose bytes are kept, over every session (16 Mi: 64 MiB)."""
+        self.max_tokens = max_tokens
+        self._last: OrderedDict[tuple[str, bytes], tuple[bytes, list[ChunkKey]]] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.reused = 0  # keys taken from a session's last prompt instead of hashed
+        self.hashed = 0
+
+    def keys(
+        self,
+        namespace: Namespace,
+        ns_id: bytes,
+        token_ids: Sequence[int],
+        session: str | None,
+    ) -> list[ChunkKey]:
+        """Keys of every full chunk of ``token_ids`` in ``namespace`` (as ``prompt_keys``)."""
+        if session is None:
+            return prompt_keys(namespace, token_ids)
+        chunk = namespace.chunk_tokens
+        full = len(token_ids) // chunk * chunk
+        data = bytes(token_bytes(token_ids[:full]))
+        slot = (session, ns_id)
+        with self._lock:
+            last = self._last.get(slot)
+        reuse = 0
+        if last is not None:
+            last_data, last_keys = last
+            common = min(len(last_keys), full // chunk) * chunk * TOKEN_BYTES
+            if memoryview(data)[:common] == memoryview(last_data)[:common]:
+                reuse = common // (chunk * TOKEN_BYTES)
+            keys = last_keys[:reuse]
+        else:
+            keys = []
+        parent = keys[-1] if keys else namespace.root_key()
+        keys = keys + chunk_keys(parent, token_ids[reuse * chunk : full], chunk, first_chunk=reuse)
+        with self._lock:
+            self.reused += reuse
+            self.hashed += len(keys) - reuse
+            old = self._last.pop(slot, None)
+            if old is not None:
+                self._tokens -= len(old[0]) // TOKEN_BYTES
+            self._last[slot] = (data, keys)
+            self._tokens += full
+            while self._tokens > self.max_tokens and self._last:
+                _, (dropped, _) = self._last.popitem(last=False)
+                self._tokens -= len(dropped) // TOKEN_BYTES
+        return keys
