@@ -42,6 +42,7 @@ class Permission(enum.StrEnum):
     INDEX_ANNOUNCE = "index.announce"  # register/heartbeat a location (the index follows it)
     INDEX_WRITE = "index.write"  # apply/replace chunk holdings, namespaces
     INDEX_ADMIN = "index.admin"  # drop/reap locations
+    INDEX_SHARE = "index.share"  # a router replica's view relayed to the others: routers
     METRICS = "metrics"  # /metrics when not public
     ROUTE = "route"  # send OpenAI requests through the router
     # callable without a credential: ``Prove`` only (a service proving who it is before the
@@ -62,7 +63,7 @@ ROLE_PERMISSIONS: Mapping[Role, frozenset[Permission]] = {
         }
     ),
     Role.INDEX: frozenset({P.STORE_INFO, P.STORE_OBSERVE, P.METRICS}),
-    Role.READER: frozenset({P.INDEX_QUERY, P.INDEX_LIST, P.METRICS}),
+    Role.READER: frozenset({P.INDEX_QUERY, P.INDEX_LIST, P.INDEX_SHARE, P.METRICS}),
     Role.CLIENT: frozenset({P.ROUTE}),
 }
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.core.config.router import RouterConfig
 from kvtier.index.api import ChunkIndex, LocationKind, LocationStatus
@@ -48,14 +48,30 @@ class Backend:
     # health
     ejected_until: float = 0.0
     ejected_reason: str = ""
+    # what the other router replicas share of it (router/peers.py)
+    peer: PeerView = field(default_factory=lambda: PeerView())
 
     def load(self) -> Load:
         return Load(
-            pending_prefill_tokens=self.pending_prefill_tokens,
-            running=max(self.in_flight, self.scraped_running),
+            pending_prefill_tokens=self.pending_prefill_tokens + self.peer.pending_prefill_tokens,
+            running=max(self.in_flight + self.peer.in_flight, self.scraped_running),
             waiting=self.scraped_waiting,
             kv_usage=self.kv_usage,
         )
+
+    def ejected(self, now: float) -> bool:
+        """Ejected here, or by another replica (for what is left of its ejection)."""
+        return self.ejected_until > now or self.peer.ejected_until > now
+
+
+@dataclass
+class PeerView:
+    """The other router replicas' shares of one instance, summed (fresh shares only)."""
+
+    in_flight: int = 0
+    pending_prefill_tokens: float = 0.0
+    ejected_until: float = 0.0  # monotonic, here
+    ejected_reason: str = ""
 
 
 class NoBackend(Exception):
@@ -142,9 +158,7 @@ class Backends:
         now = time.monotonic()
         with self._lock:
             healthy = [
-                b
-                for b in self._by_name.values()
-                if b.ejected_until <= now and b.name not in exclude
+                b for b in self._by_name.values() if not b.ejected(now) and b.name not in exclude
             ]
             ready = [b for b in healthy if b.in_flight < self.config.max_in_flight]
         if not healthy:
@@ -164,6 +178,12 @@ class Backends:
                 "router: ejected %s for %.0f s: %s", backend.name, self.config.eject_s, reason
             )
         return was_in
+
+    def set_peer_view(self, view: dict[str, PeerView]) -> None:
+        """What the other replicas share, by instance (an instance missing: nothing)."""
+        with self._lock:
+            for name, backend in self._by_name.items():
+                backend.peer = view.get(name) or PeerView()
 
     def admit(self, backend: Backend) -> None:
         with self._lock:

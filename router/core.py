@@ -37,6 +37,7 @@ from kvtier.index.api import ChunkIndex, LocationKind, Query, QueryResult
 from kvtier.index.client.replica import IndexReplica
 from kvtier.router.backends import Backend, Backends, NoBackend
 from kvtier.router.index_gate import IndexGate
+from kvtier.router.peers import PeerShares
 from kvtier.router.policies import Candidate, Coverage, Decision, Policy, RouteRequest
 from kvtier.router.session_keys import SessionKeys
 
@@ -120,6 +121,7 @@ class RoutingCore:
         self.gate = IndexGate(index_timeout_s, on_index_degraded)
         self.speculative = Speculative(speculative_s)
         self.session_keys = SessionKeys()  # a session's next turn hashes only its new chunks
+        self.peers: PeerShares | None = None  # the other router replicas (router/peers.py)
         self._policy_lock = threading.Lock()
         self._namespaces: dict[bytes, Namespace] = {}
         self._list_after = 0.0  # next time an unknown namespace may make us list them
@@ -153,6 +155,8 @@ class RoutingCore:
         keys = keys_of.get(chosen.namespace or b"")
         if keys:
             self.speculative.record(keys, chosen.name)
+            if self.peers is not None and chosen.namespace is not None:
+                self.peers.routed(chosen.name, chosen.namespace, keys)
         cov = candidates[decision.index].coverage
         return Routed(
             chosen,
@@ -231,7 +235,8 @@ class RoutingCore:
         if isinstance(self.index, IndexReplica):
             replica = self.index.replica_state()
             state = {"index": "ok"} if replica["fresh"] else self.gate.state()
-            return {**state, "replica": replica}
+            peers = {"peers": self.peers.state()} if self.peers is not None else {}
+            return {**state, "replica": replica, **peers}
         return self.gate.state()
 
     def _chunk_tokens(self, ns_id: bytes) -> int:
@@ -269,6 +274,8 @@ class RoutingCore:
             self._log.flush()
 
     def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
         self.gate.close()
         if self._log is not None:
             self._log.close()

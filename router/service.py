@@ -31,10 +31,12 @@ from kvtier.core.config.router import RouterConfig
 from kvtier.core.http import server_config
 from kvtier.core.rpc import ClientAuth
 from kvtier.index.api import ChunkIndex
+from kvtier.index.client.replica import IndexReplica
 from kvtier.router.backends import Backend, Backends
 from kvtier.router.core import RoutingCore
 from kvtier.router.discovery import DiscoveryPolicy, is_anonymous
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.peers import PeerShares, replica_name
 from kvtier.router.policies import Policy, TierCosts, make_policy
 from kvtier.router.proxy import Proxy, build_app, error_body
 from kvtier.router.tokenize import PromptTokenizer
@@ -147,7 +149,7 @@ def make_core(
         discovery.warn_if_closed(config)
     backends = Backends(config, index, discovery)
     backends.refresh()
-    return RoutingCore(
+    core = RoutingCore(
         backends,
         make_router_policy(config),
         index,
@@ -156,6 +158,16 @@ def make_core(
         index_timeout_s=config.index_timeout_s,
         on_index_degraded=lambda reason: metrics.index_degraded.labels(reason).inc(),
     )
+    if isinstance(index, IndexReplica) and config.share_state:
+        core.peers = PeerShares(
+            replica_name(config.name),
+            backends,
+            index,
+            core.speculative.record,
+            config.share_interval_s,
+            config.share_ttl_s,
+        )
+    return core
 
 
 def build(
@@ -250,7 +262,6 @@ def router_index(config: KvtierConfig, auth: ClientAuth) -> ChunkIndex | None:
     """The index a router reads (``index.address``): its replica (``router.index_replica``)
     or its client; None when no index is configured."""
     from kvtier.index.client import connect
-    from kvtier.index.client.replica import IndexReplica
 
     if not config.index.address:
         return None

@@ -162,15 +162,38 @@ def simulate_cmd(
     fmt: FormatOpt = TraceFormat.AUTO,
     block_tokens: BlockOpt = DEFAULT_BLOCK_TOKENS,
     plot: Annotated[Path | None, typer.Option(help="write a PNG capacity curve")] = None,
+    replicate: Annotated[
+        int,
+        typer.Option(
+            help="K copies of the trace as distinct users (hash ids id*K+c, nothing shared), "
+            "merged in time order: K x the arrival rate, to load K x the instances"
+        ),
+    ] = 1,
+    replicate_spread_ms: Annotated[
+        float,
+        typer.Option(help="with --replicate: copy c arrives c x this / K ms after the original"),
+    ] = 1000.0,
+    time_scale: Annotated[
+        float,
+        typer.Option(help="timestamps x this before replicating (< 1 compresses: more load)"),
+    ] = 1.0,
     jobs: Annotated[int, typer.Option(help="processes for a sweep (specs split)")] = 1,
     progress: ProgressOpt = True,
     json_out: JsonOpt = None,
 ) -> None:
-    """Replay a trace through a model of kvtier's tiers: hit ratio per tier, capacity curves."""
+    """Replay a trace through a model of kvtier's tiers: hit ratio per tier, capacity curves.
+
+    Fleet scale: e.g. --instances 1000 --instances-per-node 8 --replicate 125 (one copy of the
+    trace per 8-instance node) runs every routing policy in minutes."""
+    import time
+
+    from kvtier.traces.replicate import Replication
     from kvtier.traces.report import plot_simulation, print_simulation
     from kvtier.traces.simulate import ClusterSpec, simulate, simulate_file, sweep_specs
 
+    started = time.perf_counter()
     try:
+        replication = Replication(replicate, replicate_spread_ms, time_scale)
         base = ClusterSpec(
             instances=instances,
             instances_per_node=instances_per_node,
@@ -191,17 +214,36 @@ def simulate_cmd(
             base, _ints(gpu_blocks), _ints(dram_blocks), routings, _strs(dram_policy)
         )
         if jobs > 1:
-            reports = simulate_file(trace, specs, fmt, block_tokens, jobs)
+            reports = simulate_file(trace, specs, fmt, block_tokens, jobs, replication)
         else:
             reader, reqs = _reader_progress(trace, fmt, block_tokens, progress, "simulate")
-            reports = simulate(reqs, specs, derive_sessions=reader.format is TraceFormat.MOONCAKE)
+            reports = simulate(
+                replication.apply(reqs),
+                specs,
+                derive_sessions=reader.format is TraceFormat.MOONCAKE,
+            )
     except (KvtierError, ValueError) as e:
         raise _fail(e) from None
+    elapsed = time.perf_counter() - started
     print_simulation(reports)
+    copies = "" if replication.identity else f" ({_replication_text(replication)})"
+    requests = reports[0]["requests"] if reports else 0
+    typer.echo(f"{requests:,} requests{copies} x {len(reports)} runs in {elapsed:,.1f} s")
     if plot is not None:
         plot_simulation(reports, plot)
         typer.echo(f"wrote {plot}", err=True)
-    _write_json({"trace": str(trace), "runs": reports}, json_out)
+    _write_json(
+        {"trace": str(trace), "replication": replication.as_dict(), "runs": reports}, json_out
+    )
+
+
+def _replication_text(r: Any) -> str:
+    parts = []
+    if r.copies > 1:
+        parts.append(f"{r.copies} copies over {r.spread_ms:g} ms")
+    if r.time_scale != 1.0:
+        parts.append(f"time x {r.time_scale:g}")
+    return ", ".join(parts)
 
 
 @trace_app.command("sample")

@@ -19,12 +19,18 @@ in instance order, and maps ``Decision.index`` back to the instance.
 Instances are named ``i0``, ``i1``, ... zero-padded to a common width, so the policies'
 tie-break by name is the instance order. Cache-blind policies (round-robin, least-load,
 sticky) get no coverage: it is not computed (it costs a lookup per instance).
+
+The router's seven policies take a faster road to the same decisions (fastroute.py): scored
+over numpy arrays of the whole fleet, with only the best-tied instances handed to the policy as
+``Candidate``s. ``candidates`` builds the full list, which any other policy gets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+import numpy as np
 
 from kvtier.router.policies import (
     POLICIES,
@@ -40,6 +46,7 @@ from kvtier.router.policies import (
     TierCosts,
     make_policy,
 )
+from kvtier.traces.fastroute import FastChooser
 
 __all__ = [
     "POLICIES",
@@ -66,6 +73,14 @@ class ClusterView(Protocol):
         """Per instance: (pending prefill tokens, running requests) at ``now``."""
         ...
 
+    def load_arrays(self, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """``loads`` as two arrays: pending prefill tokens (float64), running (int64)."""
+        ...
+
+    def tier_run_arrays(self, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``tier_runs`` as three int64 arrays: GPU, node pool and remote runs."""
+        ...
+
 
 def coverage_from_blocks(runs: tuple[int, int, int], tokens: int, block_tokens: int) -> Coverage:
     """Cumulative token coverage from block runs (GPU, then node DRAM, then remote)."""
@@ -78,14 +93,24 @@ def coverage_from_blocks(runs: tuple[int, int, int], tokens: int, block_tokens: 
 
 
 class SimRouter:
-    """A policy applied to the simulator, one request at a time in arrival order."""
+    """A policy applied to the simulator, one request at a time in arrival order.
 
-    def __init__(self, policy: Policy, instances: int, block_tokens: int) -> None:
+    ``fast`` (default): the router's own policies decide through ``FastChooser``; False
+    builds every candidate (the general path, which other policies always take)."""
+
+    def __init__(
+        self, policy: Policy, instances: int, block_tokens: int, *, fast: bool = True
+    ) -> None:
         self.policy = policy
         self.block_tokens = block_tokens
         width = len(str(max(instances - 1, 0)))
         self.names = [f"i{i:0{width}d}" for i in range(instances)]
         self.uses_coverage = not isinstance(policy, _CACHE_BLIND)
+        self._fast = (
+            FastChooser(policy, self.names, block_tokens)
+            if fast and FastChooser.supports(policy)
+            else None
+        )
 
     def candidates(
         self, view: ClusterView, ids: Sequence[int], tokens: int, now: float
@@ -110,6 +135,8 @@ class SimRouter:
         """The policy's decision; its ``index`` is the instance."""
         spread = f"{len(ids)}:{ids[-1]}" if ids else None  # the last block names the prompt
         request = RouteRequest(tokens, None if session is None else str(session), spread)
+        if self._fast is not None:
+            return self._fast.choose(view, ids, request, now)
         return self.policy.choose(request, self.candidates(view, ids, tokens, now))
 
 

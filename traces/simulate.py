@@ -23,15 +23,18 @@ hits), then decodes at ``decode_ms_per_token``. Caches change at arrival; remote
 touch the holder's policy. The model compares routing and capacity choices; it does not predict
 latency.
 
-Every spec of a sweep is fed in the same single pass over the trace.
+Every spec of a sweep is fed in the same single pass over the trace. Per request the cost
+grows with the prompt's blocks and only through numpy with the instance count (``Holders``,
+``fastroute.py``), so 1,000 instances run in minutes; ``Replication`` (replicate.py) scales a
+trace's load up to such a fleet.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,8 @@ from kvtier.traces.formats import (
     TraceReader,
     TraceRequest,
 )
+from kvtier.traces.holders import Holders, next_false
+from kvtier.traces.replicate import Replication
 from kvtier.traces.routing import SimRouter
 from kvtier.traces.sessions import SessionTracker
 from kvtier.traces.simcache import BlockCache
@@ -83,14 +88,20 @@ class ClusterSpec:
 class _Instance:
     gpu: BlockCache
     node: int
-    prefill_free_at: float = 0.0
-    finishing: list[float] = field(default_factory=list)  # heap of finish times
     requests: int = 0
     miss_tokens: int = 0
 
 
 class ClusterSim:
-    """One cluster model. ``step`` is called per request in arrival order; not thread-safe."""
+    """One cluster model. ``step`` is called per request in arrival order; not thread-safe.
+
+    Per request the work grows with the prompt's blocks, not with instances x blocks: which
+    instances' GPUs and which nodes' pools hold each block is kept as bitmaps (``Holders``,
+    fed by what each ``BlockCache.store`` inserts and evicts), every instance's runs come from
+    one walk over the prompt (``tier_run_arrays``), and load lives in numpy arrays. Routing
+    reads both through ``SimRouter``'s array path (fastroute.py); the per-instance lists
+    (``tier_runs``, ``loads``) remain for the general path and for tests.
+    """
 
     def __init__(self, spec: ClusterSpec, policy: Policy | None = None) -> None:
         self.spec = spec
@@ -105,7 +116,14 @@ class ClusterSim:
         ]
         self.pools = [BlockCache(spec.dram_blocks, spec.dram_policy) for _ in range(spec.nodes)]
         self._track_remote = spec.remote and spec.nodes > 1 and spec.dram_blocks > 0
-        self._holders: dict[Hashable, int] = {}  # block -> node pools holding it
+        self._gpu_holders = Holders(spec.instances)  # block -> instances whose GPU holds it
+        self._pool_holders = Holders(spec.nodes)  # block -> nodes whose pool holds it
+        self._node_of = np.arange(spec.instances, dtype=np.int64) // spec.instances_per_node
+        # Load: prefill queue end per instance; requests not finished per instance, kept
+        # current by popping (finish time, instance) events up to each arrival.
+        self._prefill_free_at = np.zeros(spec.instances)
+        self._running = np.zeros(spec.instances, dtype=np.int64)
+        self._finishing: list[tuple[float, int]] = []
         self.blocks = dict.fromkeys(TIERS, 0)
         self.tokens = dict.fromkeys(TIERS, 0)
         self.ttft_s: list[float] = []
@@ -118,44 +136,59 @@ class ClusterSim:
     def size(self) -> int:
         return len(self.instances)
 
+    def tier_run_arrays(self, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per instance (int64 arrays): blocks of ``ids`` it would read from its GPU, then
+        its node's pool, then other nodes' pools (leading runs, in that order), without
+        touching any cache. The same numbers as asking every cache in turn (``match``)."""
+        gpu = self._gpu_holders.leading_runs(ids)
+        if not len(self._pool_holders):
+            zeros = np.zeros_like(gpu)
+            return gpu, zeros, zeros
+        held = self._pool_holders.matrix(ids)  # (blocks, nodes)
+        node = self._node_of
+        dram = next_false(held)[gpu, node] - gpu
+        if not self._track_remote:
+            return gpu, dram, np.zeros_like(gpu)
+        # Another node holds block t when more pools hold it than this node's own.
+        elsewhere = held.sum(axis=1, dtype=np.int64)[:, None] - held > 0
+        start = gpu + dram
+        return gpu, dram, next_false(elsewhere)[start, node] - start
+
     def tier_runs(self, ids: Sequence[int]) -> list[tuple[int, int, int]]:
-        """Per instance: blocks of ``ids`` it would read from its GPU, its node's pool and
-        other nodes' pools (leading runs, in that order), without touching any cache."""
-        out = []
-        node_runs: dict[tuple[int, int], tuple[int, int]] = {}  # (node, gpu run) -> runs
-        for inst in self.instances:
-            g = inst.gpu.match(ids)
-            runs = node_runs.get((inst.node, g))
-            if runs is None:
-                pool = self.pools[inst.node]
-                d = pool.match(ids, g)
-                runs = node_runs[(inst.node, g)] = (d, self._remote_run(pool, ids, g + d))
-            out.append((g, *runs))
-        return out
+        """``tier_run_arrays`` as one (gpu, dram, remote) tuple per instance."""
+        gpu, dram, remote = self.tier_run_arrays(ids)
+        return list(zip(gpu.tolist(), dram.tolist(), remote.tolist(), strict=True))
+
+    def load_arrays(self, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per instance at ``now``: pending prefill tokens (float64), running requests
+        (int64). Arrivals come in time order, so finished requests are dropped for good."""
+        heap, running = self._finishing, self._running
+        while heap and heap[0][0] <= now:
+            running[heapq.heappop(heap)[1]] -= 1
+        backlog = self._prefill_free_at - now
+        pending = np.where(backlog > 0, backlog * self.spec.prefill_tokens_per_s, 0.0)
+        return pending, running
 
     def loads(self, now: float) -> list[tuple[float, int]]:
-        return [
-            (self.pending_prefill_tokens(i, now), self.running(i, now)) for i in range(self.size)
-        ]
+        pending, running = self.load_arrays(now)
+        return list(zip(pending.tolist(), running.tolist(), strict=True))
 
     def pending_prefill_tokens(self, instance: int, now: float) -> float:
-        backlog = self.instances[instance].prefill_free_at - now
+        backlog = float(self._prefill_free_at[instance]) - now
         return backlog * self.spec.prefill_tokens_per_s if backlog > 0 else 0.0
 
     def running(self, instance: int, now: float) -> int:
-        heap = self.instances[instance].finishing
-        while heap and heap[0] <= now:
-            heapq.heappop(heap)
-        return len(heap)
+        return int(self.load_arrays(now)[1][instance])
 
-    def _remote_run(self, pool: BlockCache, ids: Sequence[int], start: int) -> int:
+    def _remote_run(self, node: int, ids: Sequence[int], start: int) -> int:
         """Leading blocks of ``ids[start:]`` that some other node's pool holds."""
         if not self._track_remote:
             return 0
-        holders = self._holders
+        holders = self._pool_holders
+        others = ~(1 << node)
         r = 0
         for key in ids[start:]:
-            if holders.get(key, 0) - (key in pool) <= 0:
+            if not holders.get(key) & others:
                 break
             r += 1
         return r
@@ -178,20 +211,10 @@ class ClusterSim:
         n = len(ids)
         g = inst.gpu.lookup(ids)
         d = pool.lookup(ids, g)
-        r = self._remote_run(pool, ids, g + d)
+        r = self._remote_run(inst.node, ids, g + d)
         counts = (g, d, r, n - g - d - r)
-        inst.gpu.store(ids)
-        inserted, evicted = pool.store(ids, g)
-        if self._track_remote:
-            holders = self._holders
-            for block in inserted:
-                holders[block] = holders.get(block, 0) + 1
-            for block in evicted:
-                left = holders[block] - 1
-                if left:
-                    holders[block] = left
-                else:
-                    del holders[block]
+        self._gpu_holders.update(i, *inst.gpu.store(ids))
+        self._pool_holders.update(inst.node, *pool.store(ids, g))
 
         bt = spec.block_tokens
         remaining = req.input_length
@@ -205,10 +228,12 @@ class ClusterSim:
             min(d * bt, req.input_length) * spec.dram_load_us_per_token
             + min(r * bt, req.input_length) * spec.remote_load_us_per_token
         ) / 1e6
-        start = max(now, inst.prefill_free_at)
+        start = max(now, float(self._prefill_free_at[i]))
         done = start + load_s + miss_tokens / spec.prefill_tokens_per_s
-        inst.prefill_free_at = done
-        heapq.heappush(inst.finishing, done + req.output_length * spec.decode_ms_per_token / 1e3)
+        self._prefill_free_at[i] = done
+        finish = done + req.output_length * spec.decode_ms_per_token / 1e3
+        heapq.heappush(self._finishing, (finish, i))
+        self._running[i] += 1
         inst.requests += 1
         inst.miss_tokens += miss_tokens
         self.ttft_s.append(done - now)
@@ -264,10 +289,18 @@ def simulate(
 
 
 def _simulate_file(
-    path: str, fmt: str, block_tokens: int, specs: list[ClusterSpec]
+    path: str,
+    fmt: str,
+    block_tokens: int,
+    specs: list[ClusterSpec],
+    replication: Replication,
 ) -> list[dict[str, Any]]:
     reader = TraceReader(path, fmt, block_tokens)
-    return simulate(reader, specs, derive_sessions=reader.format is TraceFormat.MOONCAKE)
+    return simulate(
+        replication.apply(reader),
+        specs,
+        derive_sessions=reader.format is TraceFormat.MOONCAKE,
+    )
 
 
 def simulate_file(
@@ -276,19 +309,23 @@ def simulate_file(
     fmt: TraceFormat | str = TraceFormat.AUTO,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     jobs: int = 1,
+    replication: Replication | None = None,
 ) -> list[dict[str, Any]]:
-    """``simulate`` over a file, the specs split over ``jobs`` processes (each reads the file;
-    the specs are independent). Reports come back in the order of ``specs``."""
+    """``simulate`` over a file (``replication``: K copies, time scale; none by default), the
+    specs split over ``jobs`` processes (each reads the file; the specs are independent).
+    Reports come back in the order of ``specs``."""
+    replication = replication or Replication()
     jobs = max(1, min(jobs, len(specs)))
     if jobs == 1:
-        return _simulate_file(str(path), str(fmt), block_tokens, list(specs))
+        return _simulate_file(str(path), str(fmt), block_tokens, list(specs), replication)
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     groups = [list(specs[i::jobs]) for i in range(jobs)]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [
-            pool.submit(_simulate_file, str(path), str(fmt), block_tokens, g) for g in groups
+            pool.submit(_simulate_file, str(path), str(fmt), block_tokens, g, replication)
+            for g in groups
         ]
         parts = [f.result() for f in futures]
     out: list[dict[str, Any]] = [{}] * len(specs)

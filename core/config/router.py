@@ -210,6 +210,27 @@ class RouterConfig(Section):
         "round trip per request; docs/router.md, 'The index replica'); off: ask the index "
         "each decision",
     )
+    name: str = Field(
+        "",
+        description="this router replica's name in what it shares with the others (default: "
+        "host:pid); a random tag is added, and the index prefixes the caller's credential",
+    )
+    share_state: bool = Field(
+        True,
+        description="router replicas share, through the index's change feed, what each alone "
+        "sees: requests in flight per instance, ejections, prompts just routed (docs/router.md, "
+        "'Replicas that agree'); needs index_replica",
+    )
+    share_interval_s: float = Field(
+        0.1, gt=0, description="how often this replica shares its view with the others"
+    )
+    share_ttl_s: float = Field(
+        1.0,
+        gt=0,
+        le=10,
+        description="a replica's share counts this long; a replica that stopped sharing (dead, "
+        "partitioned) is forgotten after it",
+    )
     index_replica_max_stale_s: float = Field(
         2.0,
         gt=0,

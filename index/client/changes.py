@@ -1,6 +1,7 @@
 """What the index's change feed carries (``index/server/feed.py`` keeps it; a router's replica,
-``index/client/replica.py``, reads it): each write the index applied, in order, and
-snapshots of the whole index as of a change."""
+``index/client/replica.py``, reads it): each write the index applied, in order, snapshots of
+the whole index as of a change, and router replicas' shares of what each alone sees (their
+in-flight load, ejections, prompts just routed), relayed to the others."""
 
 from __future__ import annotations
 
@@ -22,6 +23,30 @@ class ChangeKind(enum.StrEnum):
     APPLY = "apply"
     REPLACE = "replace"
     HEARTBEAT = "heartbeat"
+    ROUTER = "router"  # a router replica's view of its instances (not the index's state)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceShare:
+    """What one router replica knows of one instance that the others cannot see."""
+
+    instance: str
+    in_flight: int = 0  # requests it sent there and not yet answered
+    pending_prefill_tokens: float = 0.0  # their prompt tokens not yet past the first token
+    ejected_for_s: float = 0.0  # it ejected the instance, for this much longer (0: it did not)
+    ejected_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterShare:
+    """A router replica's share, every ``router.share_interval_s``: per instance its load and
+    ejections, and the prompts it routed since its last share (chunk keys by instance and
+    namespace: what the others count as speculatively held). Valid for ``ttl_s``."""
+
+    router: str
+    ttl_s: float
+    instances: tuple[InstanceShare, ...] = ()
+    routed: tuple[tuple[str, bytes, tuple[bytes, ...]], ...] = ()  # (instance, ns id, keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +61,7 @@ class Change:
     ops: tuple[ChunkOp, ...] = ()
     holdings: Mapping[Tier, Mapping[bytes, Sequence[bytes]]] | None = None
     locations: tuple[str, ...] = ()  # heartbeat
+    share: RouterShare | None = None  # router
 
 
 @dataclass(frozen=True, slots=True)

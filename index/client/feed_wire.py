@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvtier.core.keys import Namespace, pack_keys, unpack_keys
-from kvtier.index.client.changes import Change, ChangeKind, FeedBatch, IndexDump, LocationDump
+from kvtier.index.client.changes import (
+    Change,
+    ChangeKind,
+    FeedBatch,
+    IndexDump,
+    InstanceShare,
+    LocationDump,
+    RouterShare,
+)
 from kvtier.index.client.wire import (
     info_from_pb,
     info_to_pb,
@@ -20,6 +28,11 @@ from kvtier.index.proto import index_pb2 as pb
 
 # entries per snapshot part: 16-byte keys and 8-byte times, ~24 MB, under MESSAGE_LIMIT
 PART_ENTRIES = 1 << 20
+# bounds of one router share (a router's whole view every 100 ms is far below them)
+SHARE_MAX_INSTANCES = 4096
+SHARE_MAX_KEYS = 1 << 16
+SHARE_MAX_TTL_S = 10.0
+SHARE_MAX_NAME = 256
 
 
 def namespace_to_pb(ns_id: bytes, definition: Namespace | None) -> pb.NamespaceEntry:
@@ -58,6 +71,9 @@ def change_to_pb(change: Change) -> pb.Change:
         for tier, by_ns in (change.holdings or {}).items():
             for ns_id, keys in by_ns.items():
                 msg.replace.holdings.add(tier=tier.value, ns_id=ns_id, keys=pack_keys(keys))
+    elif kind is ChangeKind.ROUTER:
+        assert change.share is not None
+        msg.router.CopyFrom(share_to_pb(change.share))
     else:
         msg.heartbeat.locations.extend(change.locations)
     return msg
@@ -89,7 +105,64 @@ def change_from_pb(msg: pb.Change) -> Change:
         return Change(msg.seq, ChangeKind.REPLACE, location=msg.replace.location, holdings=holdings)
     if which == "heartbeat":
         return Change(msg.seq, ChangeKind.HEARTBEAT, locations=tuple(msg.heartbeat.locations))
+    if which == "router":
+        return Change(msg.seq, ChangeKind.ROUTER, share=share_from_pb(msg.router))
     raise ValueError(f"a change of no known kind (seq {msg.seq})")
+
+
+def share_to_pb(share: RouterShare) -> pb.RouterShare:
+    return pb.RouterShare(
+        router=share.router,
+        ttl_s=share.ttl_s,
+        instances=[
+            pb.InstanceShare(
+                instance=i.instance,
+                in_flight=i.in_flight,
+                pending_prefill_tokens=i.pending_prefill_tokens,
+                ejected_for_s=i.ejected_for_s,
+                ejected_reason=i.ejected_reason,
+            )
+            for i in share.instances
+        ],
+        routed=[
+            pb.RoutedKeys(instance=inst, ns_id=ns_id, keys=pack_keys(keys))
+            for inst, ns_id, keys in share.routed
+        ],
+    )
+
+
+def share_from_pb(msg: pb.RouterShare) -> RouterShare:
+    """A router's share, checked against the bounds (a malformed one is INVALID_ARGUMENT)."""
+    if not msg.router or len(msg.router) > SHARE_MAX_NAME:
+        raise ValueError(f"a router share names its router in 1..{SHARE_MAX_NAME} characters")
+    if not 0 < msg.ttl_s <= SHARE_MAX_TTL_S:
+        raise ValueError(f"a router share's ttl_s is in (0, {SHARE_MAX_TTL_S}]")
+    if len(msg.instances) > SHARE_MAX_INSTANCES:
+        raise ValueError(f"a router share names at most {SHARE_MAX_INSTANCES} instances")
+    instances = []
+    for i in msg.instances:
+        if len(i.instance) > SHARE_MAX_NAME or len(i.ejected_reason) > SHARE_MAX_NAME:
+            raise ValueError("an instance name or reason in a router share is too long")
+        if not (i.pending_prefill_tokens >= 0 and 0 <= i.ejected_for_s <= 3600):
+            raise ValueError("a router share's load or ejection is out of range")
+        instances.append(
+            InstanceShare(
+                i.instance,
+                i.in_flight,
+                i.pending_prefill_tokens,
+                i.ejected_for_s,
+                i.ejected_reason,
+            )
+        )
+    routed = []
+    total = 0
+    for r in msg.routed:
+        keys = tuple(unpack_keys(r.keys))
+        total += len(keys)
+        if total > SHARE_MAX_KEYS or len(r.instance) > SHARE_MAX_NAME or len(r.ns_id) != 16:
+            raise ValueError("a router share's routed prompts are out of bounds")
+        routed.append((r.instance, r.ns_id, keys))
+    return RouterShare(msg.router, msg.ttl_s, tuple(instances), tuple(routed))
 
 
 def batch_to_pb(batch: FeedBatch) -> pb.FollowReply:

@@ -32,7 +32,7 @@ from kvtier.index.api import (
     Registration,
 )
 from kvtier.index.client import feed_wire, wire
-from kvtier.index.client.changes import FeedBatch, IndexDump
+from kvtier.index.client.changes import FeedBatch, IndexDump, RouterShare
 from kvtier.index.proto import index_pb2 as pb
 from kvtier.index.proto import index_pb2_grpc
 
@@ -169,6 +169,10 @@ class GrpcIndexClient(ChunkIndex):
         except grpc.RpcError as exc:
             raise rpc.error_from_rpc(exc, f"index {self.address}") from None
         return feed_wire.batch_from_pb(reply)
+
+    def share(self, share: RouterShare) -> None:
+        """Relay this router replica's view to the others (through the change feed)."""
+        self._call("Share", feed_wire.share_to_pb(share))
 
     def snapshot(self) -> IndexDump:
         """The whole index and the feed position it is as of, fetched part by part."""

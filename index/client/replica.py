@@ -31,14 +31,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace
 from kvtier.index.api import ChunkIndex, ForwardingIndex, LocationInfo, Query, QueryResult
 from kvtier.index.backends.memory import MemoryIndex
-from kvtier.index.client.changes import Change, ChangeKind, FeedBatch, IndexDump
+from kvtier.index.client.changes import Change, ChangeKind, FeedBatch, IndexDump, RouterShare
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ class FeedSource(Protocol):
     ) -> FeedBatch: ...
 
     def snapshot(self) -> IndexDump: ...
+
+    def share(self, share: RouterShare) -> None: ...
 
 
 class IndexReplica(ForwardingIndex):
@@ -74,6 +76,8 @@ class IndexReplica(ForwardingIndex):
         self.seq = 0  # the last change applied
         self.snapshots = 0  # loaded, since start
         self.unsupported: str | None = None  # why the index keeps no feed
+        # the other router replicas' shares, as they arrive (router/peers.py)
+        self.on_share: Callable[[RouterShare], None] | None = None
         self._contact: float | None = None  # monotonic: last follow reply with nothing left
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-index-replica", daemon=True)
@@ -104,6 +108,10 @@ class IndexReplica(ForwardingIndex):
 
     def location(self, name: str) -> LocationInfo | None:
         return (self.copy if self.fresh() else self.inner).location(name)
+
+    def share(self, share: RouterShare) -> None:
+        """Relay this router replica's share to the others, through the index."""
+        self.feed.share(share)
 
     def replica_state(self) -> dict[str, Any]:
         lag = self.lag_s()
@@ -161,6 +169,9 @@ class IndexReplica(ForwardingIndex):
             copy.apply(change.location, change.ops)  # the feed's order is the order
         elif kind is ChangeKind.REPLACE:
             copy.replace(change.location, change.holdings or {}, epoch=0, seq=0)
+        elif kind is ChangeKind.ROUTER:
+            if self.on_share is not None and change.share is not None:
+                self.on_share(change.share)
         else:
             copy.heartbeat(change.locations)
 

@@ -273,7 +273,7 @@ class ClaimReply(_message.Message):
     def __init__(self, granted: _Optional[bool] = ...) -> None: ...
 
 class Change(_message.Message):
-    __slots__ = ("seq", "namespace", "register", "unregister", "drop", "apply", "replace", "heartbeat")
+    __slots__ = ("seq", "namespace", "register", "unregister", "drop", "apply", "replace", "heartbeat", "router")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +282,7 @@ class Change(_message.Message):
     APPLY_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
     seq: int
     namespace: RegisterNamespaceRequest
     register: Registration
@@ -290,7 +291,48 @@ class Change(_message.Message):
     apply: ApplyRequest
     replace: ReplaceRequest
     heartbeat: HeartbeatRequest
-    def __init__(self, seq: _Optional[int] = ..., namespace: _Optional[_Union[RegisterNamespaceRequest, _Mapping]] = ..., register: _Optional[_Union[Registration, _Mapping]] = ..., unregister: _Optional[str] = ..., drop: _Optional[str] = ..., apply: _Optional[_Union[ApplyRequest, _Mapping]] = ..., replace: _Optional[_Union[ReplaceRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ...) -> None: ...
+    router: RouterShare
+    def __init__(self, seq: _Optional[int] = ..., namespace: _Optional[_Union[RegisterNamespaceRequest, _Mapping]] = ..., register: _Optional[_Union[Registration, _Mapping]] = ..., unregister: _Optional[str] = ..., drop: _Optional[str] = ..., apply: _Optional[_Union[ApplyRequest, _Mapping]] = ..., replace: _Optional[_Union[ReplaceRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., router: _Optional[_Union[RouterShare, _Mapping]] = ...) -> None: ...
+
+class InstanceShare(_message.Message):
+    __slots__ = ("instance", "in_flight", "pending_prefill_tokens", "ejected_for_s", "ejected_reason")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EJECTED_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    EJECTED_REASON_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    in_flight: int
+    pending_prefill_tokens: float
+    ejected_for_s: float
+    ejected_reason: str
+    def __init__(self, instance: _Optional[str] = ..., in_flight: _Optional[int] = ..., pending_prefill_tokens: _Optional[float] = ..., ejected_for_s: _Optional[float] = ..., ejected_reason: _Optional[str] = ...) -> None: ...
+
+class RoutedKeys(_message.Message):
+    __slots__ = ("instance", "ns_id", "keys")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    ns_id: bytes
+    keys: bytes
+    def __init__(self, instance: _Optional[str] = ..., ns_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class RouterShare(_message.Message):
+    __slots__ = ("router", "ttl_s", "instances", "routed")
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
+    router: str
+    ttl_s: float
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceShare]
+    routed: _containers.RepeatedCompositeFieldContainer[RoutedKeys]
+    def __init__(self, router: _Optional[str] = ..., ttl_s: _Optional[float] = ..., instances: _Optional[_Iterable[_Union[InstanceShare, _Mapping]]] = ..., routed: _Optional[_Iterable[_Union[RoutedKeys, _Mapping]]] = ...) -> None: ...
+
+class ShareReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class FollowRequest(_message.Message):
     __slots__ = ("epoch", "after", "limit", "wait_s")

@@ -109,6 +109,11 @@ class IndexStub:
                 request_serializer=index__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=index__pb2.SnapshotPart.FromString,
                 _registered_method=True)
+        self.Share = channel.unary_unary(
+                '/kvtier.index.v1.Index/Share',
+                request_serializer=index__pb2.RouterShare.SerializeToString,
+                response_deserializer=index__pb2.ShareReply.FromString,
+                _registered_method=True)
 
 
 class IndexServicer:
@@ -204,6 +209,12 @@ class IndexServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Share(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +292,11 @@ def add_IndexServicer_to_server(servicer, server):
                     servicer.Snapshot,
                     request_deserializer=index__pb2.SnapshotRequest.FromString,
                     response_serializer=index__pb2.SnapshotPart.SerializeToString,
+            ),
+            'Share': grpc.unary_unary_rpc_method_handler(
+                    servicer.Share,
+                    request_deserializer=index__pb2.RouterShare.FromString,
+                    response_serializer=index__pb2.ShareReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -688,6 +704,33 @@ class Index:
             '/kvtier.index.v1.Index/Snapshot',
             index__pb2.SnapshotRequest.SerializeToString,
             index__pb2.SnapshotPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Share(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.index.v1.Index/Share',
+            index__pb2.RouterShare.SerializeToString,
+            index__pb2.ShareReply.FromString,
             options,
             channel_credentials,
             insecure,

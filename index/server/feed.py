@@ -53,6 +53,7 @@ from kvtier.index.client.changes import (
     Dumpable,
     FeedBatch,
     IndexDump,
+    RouterShare,
 )
 
 
@@ -110,6 +111,10 @@ class FeedingIndex(ForwardingIndex):
     def follow(self, epoch: str, after: int, limit: int = 4096, wait_s: float = 0.0) -> FeedBatch:
         """The feed read in this process (``GrpcIndexClient.follow`` across a socket)."""
         return self.feed.read(epoch, after, limit, wait_s)
+
+    def share(self, share: RouterShare) -> None:
+        """A router replica's share relayed to the others (``Share`` across a socket)."""
+        self.feed.append(ChangeKind.ROUTER, share=share)
 
     def register_namespace(self, namespace: Namespace | bytes) -> bytes:
         with self._lock:

@@ -8,6 +8,7 @@ Threading: gRPC runs handlers on its thread pool; the wrapped index is thread-sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import secrets
@@ -23,7 +24,7 @@ from kvtier.core.auth import Permission
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import unpack_keys
 from kvtier.index.client import feed_wire, wire
-from kvtier.index.client.changes import NO_FEED
+from kvtier.index.client.changes import NO_FEED, ChangeKind
 from kvtier.index.proto import index_pb2 as pb
 from kvtier.index.proto import index_pb2_grpc
 from kvtier.index.server.access import IndexAccess
@@ -51,6 +52,10 @@ INDEX_PERMISSIONS: Mapping[str, Permission] = {
     # the change feed and its snapshots carry every tenant's namespaces and chunks: the same
     "Follow": P.INDEX_LIST,
     "Snapshot": P.INDEX_LIST,
+    # a router replica's load and ejections, relayed to the other replicas (steers routing,
+    # never what an engine loads); named after the caller's credential, so no credential
+    # speaks for another's routers
+    "Share": P.INDEX_SHARE,
     "Drop": P.INDEX_ADMIN,
     "Reap": P.INDEX_ADMIN,
 }
@@ -115,6 +120,15 @@ class IndexServicer(index_pb2_grpc.IndexServicer):
             min(max(request.wait_s, 0.0), FOLLOW_WAIT_S),
         )
         return feed_wire.batch_to_pb(batch)
+
+    @rpc.handler
+    def Share(self, request: pb.RouterShare, context: grpc.ServicerContext) -> pb.ShareReply:
+        if self.feeding is None:
+            raise KvtierError(ErrorCode.UNSUPPORTED, NO_FEED)
+        share = feed_wire.share_from_pb(request)
+        named = dataclasses.replace(share, router=f"{rpc.caller().name}/{share.router}")
+        self.feeding.feed.append(ChangeKind.ROUTER, share=named)
+        return pb.ShareReply()
 
     @rpc.handler
     def Snapshot(
