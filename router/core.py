@@ -9,8 +9,9 @@ node's store holds; ``remote`` adds the best any other node's store holds.
 
 Speculative holdings are kept in this router (keys of prompts it routed, by instance, for a
 few seconds), not written to the index: the index takes writes only from a source's own event
-stream with a cursor. Router replicas therefore learn each other's bursts from the engines'
-events (milliseconds to a second later), not at once.
+stream with a cursor. Router replicas hear each other's through their shares (``peers.py``:
+relayed by the index's change feed within a share interval), with each other's in-flight load
+and ejections.
 
 The index is asked through an ``IndexGate`` (``index_gate.py``): with a deadline
 (``router.index_timeout_s``), past which the decision is made by load alone.
