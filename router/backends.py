@@ -157,9 +157,12 @@ class Backends:
         """Healthy, not excluded, not saturated; raises ``NoBackend`` when none is."""
         now = time.monotonic()
         with self._lock:
-            healthy = [
-                b for b in self._by_name.values() if not b.ejected(now) and b.name not in exclude
-            ]
+            candidates = [b for b in self._by_name.values() if b.name not in exclude]
+            healthy = [b for b in candidates if not b.ejected(now)]
+            if not healthy:
+                # other replicas' ejections steer, they never take this one down: with every
+                # instance ejected by a share alone, route on this replica's own view
+                healthy = [b for b in candidates if b.ejected_until <= now]
             ready = [b for b in healthy if b.in_flight < self.config.max_in_flight]
         if not healthy:
             raise NoBackend(False, "no healthy instance to route to")

@@ -9,9 +9,11 @@ classes; anything else, subclasses included, takes the general path):
 1. it computes, over numpy arrays of every instance's load and coverage, the key the policy
    minimises, except its last part (the rendezvous-hash tie-break), with the same floating
    point operations in the same order, so the values are bitwise those of the policy;
-2. it keeps the instances whose key ties for the best (usually one or a few), plus whatever
-   else the policy looks at (kvtier: the GPU holder);
-3. it lets the policy itself choose among those candidates, so the tie-break, the gates and the
+2. it keeps the instances whose key ties for the best and, when several do (idle instances
+   and a cold prompt: ~15 % of a loaded 1,000-instance fleet), the one the policies' own
+   tie-break (``_spread``, the rendezvous hash) prefers, plus whatever else the policy looks
+   at (kvtier: the GPU holder);
+3. it lets the policy itself choose among those one or two candidates, so the gates and the
    reasons stay the policy's own code.
 
 Where a policy compares against the average load of *all* candidates (sticky's and hybrid's
@@ -49,6 +51,7 @@ from kvtier.router.policies import (
     RouteRequest,
     Sticky,
 )
+from kvtier.router.policies import _spread as tie_break  # the policies' own last tie-break
 
 _SUPPORTED = (RoundRobin, LeastLoad, Sticky, CacheAware, LMetric, Hybrid, Kvtier)
 
@@ -97,7 +100,8 @@ class FastChooser:
         self.policy = policy
         self.names = list(names)
         self.block_tokens = block_tokens
-        self._blind: list[Candidate] | None = None  # round-robin reads only their count
+        # Name-only candidates: round-robin reads only their count, the tie-break their names.
+        self._named = [Candidate(name) for name in self.names]
         self._least = LeastLoad()
         self._home: OrderedDict[str, int] = OrderedDict()  # sticky: session -> instance
 
@@ -112,11 +116,10 @@ class FastChooser:
         kind = type(policy)
         pending, running = view.load_arrays(now)  # also retires finished requests
         if kind is RoundRobin:
-            if self._blind is None:
-                self._blind = [Candidate(name) for name in self.names]
-            return policy.choose(request, self._blind)
+            return policy.choose(request, self._named)
         if kind is LeastLoad:
-            return self._among(policy, request, _tied(pending, running), pending, running)
+            idx = self._spread(request, _tied(pending, running))
+            return self._among(policy, request, idx, pending, running)
         if isinstance(policy, Sticky):
             return self._sticky(policy, request, pending, running)
         tokens = request.tokens
@@ -130,21 +133,21 @@ class FastChooser:
         cg, cd, cr = cov
         if isinstance(policy, CacheAware):
             cached = cg + policy.dram_credit * (cd - cg)
-            idx = _tied(-cached, pending, running)
+            idx = self._spread(request, _tied(-cached, pending, running))
             return self._among(policy, request, idx, pending, running, cov)
         if isinstance(policy, Kvtier):
             kd = policy.costs.kappa("dram", tokens)
             kr = policy.costs.kappa("remote", tokens)
             uncached = (cd - cg) * (1 - kd) + (cr - cd) * (1 - kr) + (tokens - cr)
             score = (pending + uncached) * (running + 1)
-            best = _tied(score, -cg, pending, running)
+            best = int(self._spread(request, _tied(score, -cg, pending, running))[0])
             holder = int(np.argmax(cg))  # the first instance with the longest GPU run
-            idx = np.union1d(best, [holder])
+            idx = np.array(sorted({best, holder}))
             return self._among(policy, request, idx, pending, running, cov)
         assert isinstance(policy, LMetric)  # or Hybrid, its subclass
         uncached = (tokens - cg) - policy.dram_credit * (cd - cg)
         score = (pending + uncached) * (running + 1)
-        idx = _tied(score, uncached, pending, running)
+        idx = self._spread(request, _tied(score, uncached, pending, running))
         base = self._among(policy, request, idx, pending, running, cov, as_lmetric=True)
         if not isinstance(policy, Hybrid):
             return base
@@ -157,6 +160,13 @@ class FastChooser:
         ):
             return Decision(holder, "affinity")
         return base
+
+    def _spread(self, request: RouteRequest, idx: np.ndarray) -> np.ndarray:
+        """Of instances tied on everything else, the one the policies' tie-break picks."""
+        if len(idx) <= 1:
+            return idx
+        named = self._named
+        return np.array([min(idx.tolist(), key=lambda i: tie_break(request, named[i]))])
 
     def _among(
         self,
@@ -196,7 +206,8 @@ class FastChooser:
     ) -> Decision:
         """``Sticky.choose`` with its session table here (instances, not names: the
         simulator's instances never go away, so a home is always among the candidates)."""
-        least = self._among(self._least, request, _tied(pending, running), pending, running)
+        idx = self._spread(request, _tied(pending, running))
+        least = self._among(self._least, request, idx, pending, running)
         session = request.session
         if session is None:
             return Decision(least.index, "no-session")

@@ -122,3 +122,16 @@ def test_a_replica_hears_not_its_own_share_and_forgets_a_silent_one() -> None:
     time.sleep(0.3)  # a stops sharing (dead, partitioned): its share lapses
     b.peers.share_once()
     assert b.peers.peers() == [] and b.core.backends.all()[0].peer.in_flight == 0
+
+
+def test_shares_that_eject_every_instance_steer_nothing() -> None:
+    """A share (a router's credential) can steer the others, never take them down: with every
+    instance ejected by shares alone, a replica routes on its own view."""
+    source = _index()
+    a, b = _replica(source), _replica(source)
+    for backend in a.core.backends.all():
+        a.core.backends.eject(backend, "a lying or partitioned replica")
+    _exchange(a, b)
+    assert {x.name for x in b.core.backends.routable()} == set(NAMES)
+    b.core.backends.eject(b.core.backends.all()[0], "its own failure")
+    assert {x.name for x in b.core.backends.routable()} == set(NAMES[1:])
