@@ -41,6 +41,7 @@ from kvtier.index.api import ChunkIndex, ChunkOp, LocationKind, Query, Registrat
 from kvtier.index.backends.memory import MemoryIndex
 from kvtier.index.ingest.vllm_blocks import BlockMapper
 from kvtier.index.ingest.vllm_wire import BlockStored, EventBatchDecoder, encode_batch
+from kvtier.index.server.feed import ChangeFeed, FeedingIndex
 from kvtier.store.api.events import EventKind
 from kvtier.testing.ports import free_port
 
@@ -268,8 +269,10 @@ def measure_ingest(prompts: int, repeat: int) -> dict[str, Any]:
         for payload in payloads:
             decoder.decode(payload)
 
-    def ingest() -> None:
-        index = MemoryIndex()
+    def ingest(feed: bool = False) -> None:
+        index: ChunkIndex = MemoryIndex()
+        if feed:  # as ``kvtier index serve`` runs it: every write also goes to the change feed
+            index = FeedingIndex(index, ChangeFeed())
         ns_id = index.register_namespace(NS)
         index.register(Registration("vllm-0", LocationKind.INSTANCE, (ns_id,)))
         mapper, decoder = BlockMapper([NS]), EventBatchDecoder()
@@ -280,7 +283,11 @@ def measure_ingest(prompts: int, repeat: int) -> dict[str, Any]:
         assert mapper.counts["opaque"] == 0
 
     for label, tuned in (("tuned collector (as served)", True), ("default collector", False)):
-        for name, fn in (("decode only (floor)", decode_only), ("decode + map + index", ingest)):
+        for name, fn in (
+            ("decode only (floor)", decode_only),
+            ("decode + map + index", ingest),
+            ("decode + map + index + change feed", lambda: ingest(feed=True)),
+        ):
             best_wall = best_cpu = float("inf")
             for _ in range(repeat):
                 gc.collect()
