@@ -264,7 +264,7 @@ def settle(rig: Any, core: Any, chunks: int) -> None:
             rig.step()
         time.sleep(0.01)
     sched = rig.connector.scheduler
-    for executor in (sched._lookups, sched._ops, sched._alloc):
+    for executor in (sched.lookups.executor, sched._ops, sched._alloc):
         executor.submit(lambda: None).result()
 
 
