@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvtier.core.chunks import Tier
-from kvtier.core.keys import Namespace
+from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.index.api import ChunkIndex, LocationKind, Query, QueryResult
 from kvtier.index.client.replica import IndexReplica
 from kvtier.router.backends import Backend, Backends, NoBackend
@@ -197,7 +197,7 @@ class RoutingCore:
         for b in backends:
             if b.namespace is None:
                 continue
-            chunk = self._chunk_tokens(b.namespace)
+            chunk = self.chunk_tokens(b.namespace)
             result = by_ns.get(b.namespace)
             gpu, dram, remote = _runs(result, b) if result is not None else (0, 0, 0)
             keys = keys_of.get(b.namespace)
@@ -209,6 +209,23 @@ class RoutingCore:
                 min(gpu * chunk, n), min(dram * chunk, n), min(remote * chunk, n)
             )
         return out, keys_of
+
+    def node_run(self, backend: Backend, token_ids: Sequence[int]) -> int:
+        """Leading chunks of the prompt that ``backend``'s node pool holds, per the index
+        (0 when it cannot say): what an offloaded prefill left there."""
+        ns_id = backend.namespace
+        if self.index is None or ns_id is None or not backend.node:
+            return 0
+        namespace = self._namespace(ns_id)
+        if namespace is None:
+            return 0
+        keys = prompt_keys(namespace, token_ids)
+        results = self.gate.call("query", self.index.query, [Query(ns_id, keys=keys)]) or []
+        for result in results:
+            holding = result.of(backend.node)
+            if holding is not None:
+                return holding.runs.get(Tier.CPU, 0)
+        return 0
 
     def _namespace(self, ns_id: bytes) -> Namespace | None:
         """The namespace's definition, from the index's list. A namespace the index cannot
@@ -240,7 +257,7 @@ class RoutingCore:
             return {**state, "replica": replica, **peers}
         return self.gate.state()
 
-    def _chunk_tokens(self, ns_id: bytes) -> int:
+    def chunk_tokens(self, ns_id: bytes) -> int:
         namespace = self._namespace(ns_id)
         return namespace.chunk_tokens if namespace is not None else 256
 

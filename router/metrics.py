@@ -71,6 +71,13 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.offloads = Counter(
+            "kvtier_router_prefill_offloads",
+            "prefills run on a helper instance, by outcome: ok (its chunks reached the "
+            "index), unsettled (answered, chunks not seen in time), failed, busy (no slot)",
+            ["outcome"],
+            registry=r,
+        )
         self.discovery_refused = Counter(
             "kvtier_router_discovery_refused",
             "instances announced to the index at a URL router.discover_allow does not admit "

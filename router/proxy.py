@@ -40,6 +40,7 @@ from kvtier.core.http import peer_identities
 from kvtier.router.backends import Backend, NoBackend
 from kvtier.router.core import Routed, RoutingCore
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.offload import PrefillOffload, prefill_only
 from kvtier.router.requests import (
     CHAT_PATH,
     INLINE_BYTES,
@@ -90,6 +91,7 @@ class Proxy:
         self.client = client
         self.tokenizer = tokenizer
         self._parsing = asyncio.Semaphore(PARSE_SLOTS)  # large bodies parsed at once
+        self.offload = PrefillOffload(config) if config.offload else None
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -196,6 +198,8 @@ class Proxy:
                 kind = "rate_limit_exceeded" if exc.saturated else "service_unavailable"
                 return error(status, str(exc), kind, retry_after=self.config.eject_s / 2)
             self._count_decision(routed, attempt)
+            if attempt == 0 and self.offload is not None and ids is not None:
+                await self._maybe_offload(routed, path, forward, headers, ids, tried)
             backend = routed.backend
             self.backends.dispatched(backend, prompt_tokens)
             outgoing = self.client.build_request(
@@ -229,6 +233,71 @@ class Proxy:
             return await self._whole(request, upstream, backend, routed, start)
         assert last is not None
         return last
+
+    async def _maybe_offload(
+        self,
+        routed: Routed,
+        path: str,
+        forward: dict[str, Any],
+        headers: dict[str, str],
+        ids: list[int],
+        tried: set[str],
+    ) -> None:
+        """Prefill on a helper when the cost model says so (``offload.py``); whatever
+        happens there, the request then goes to its own instance, which loads what arrived
+        and computes the rest."""
+        assert self.offload is not None
+        try:
+            candidates = self.backends.routable(frozenset(tried))
+        except NoBackend:
+            return
+        choice = self.offload.choose(routed, candidates)
+        if choice is None:
+            return
+        if not self.offload.begin():
+            self.metrics.offloads.labels("busy").inc()
+            return
+        helper, tokens = choice.helper, routed.prompt_tokens
+        outcome = "failed"
+        self.backends.dispatched(helper, tokens)
+        try:
+            resp = await self.client.post(
+                f"{helper.url}{path}",
+                content=_encode(prefill_only(forward)),
+                headers=headers,
+                timeout=self.config.offload_timeout_s,
+            )
+            if resp.status_code == 200:
+                outcome = await self._settled(helper, ids)
+        except httpx.HTTPError as exc:
+            log.info("router: offloaded prefill on %s failed: %r", helper.name, exc)
+        finally:
+            # answered or not, its prefill is no longer pending there
+            self.backends.finished(helper, tokens, got_first_token=False)
+            self.offload.end()
+        self.metrics.offloads.labels(outcome).inc()
+        self.core.log_decision(
+            routed,
+            {
+                "outcome": f"prefill offloaded: {outcome}",
+                "helper": helper.name,
+                "cost_here": round(choice.here_tokens),
+                "cost_offload": round(choice.offload_tokens),
+            },
+        )
+
+    async def _settled(self, helper: Backend, ids: list[int]) -> str:
+        """Wait (``offload_settle_s`` at most) for the index to show the helper's chunks in
+        its node's pool: saves commit a step or two after the prefill answered."""
+        want = len(ids) // self.core.chunk_tokens(helper.namespace or b"")
+        deadline = time.monotonic() + self.config.offload_settle_s
+        while True:
+            held = await asyncio.to_thread(self.core.node_run, helper, ids)
+            if held >= want:
+                return "ok"
+            if time.monotonic() >= deadline:
+                return "unsettled"
+            await asyncio.sleep(0.01)
 
     async def _parse(self, raw: bytes, path: str) -> dict[str, Any]:
         """``parse_body``, on a worker thread for a large body (``requests.py`` says why)."""

@@ -240,6 +240,32 @@ class RouterConfig(Section):
     max_in_flight: int = Field(
         256, ge=1, description="per instance; beyond it the instance counts as saturated"
     )
+    offload: bool = Field(
+        False,
+        description="selective prefill offload: a heavy prefill runs on a less loaded instance "
+        "(one token), the request then goes to its own instance, which loads the chunks "
+        "(docs/router.md, 'Selective prefill offload'); needs the connector on every instance",
+    )
+    offload_min_tokens: int = Field(
+        8192, ge=1, description="offload only prompts whose uncached tokens reach this"
+    )
+    offload_margin: float = Field(
+        0.2,
+        ge=0,
+        lt=1,
+        description="offload only when the cost model makes it this much cheaper than "
+        "prefilling at home (0.2: 20 %)",
+    )
+    offload_max_concurrent: int = Field(2, ge=1, description="offloaded prefills in flight")
+    offload_timeout_s: float = Field(
+        30.0, gt=0, description="a helper's prefill past this is abandoned (home computes)"
+    )
+    offload_settle_s: float = Field(
+        0.5,
+        ge=0,
+        description="after the helper answered, wait up to this long for the index to show "
+        "its chunks in its node's pool (saves commit a step after the prefill)",
+    )
     decision_log: Path | None = Field(None, description="JSONL file of every decision")
     kappa_file: Path | None = Field(
         None, description="JSON kappa table from kvtier bench tier-latency (default: reference)"
