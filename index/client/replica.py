@@ -180,7 +180,11 @@ class IndexReplica(ForwardingIndex):
             try:
                 self.sync_once()
             except KvtierError as exc:
-                if exc.code is ErrorCode.UNSUPPORTED:
+                if exc.code in (
+                    ErrorCode.UNSUPPORTED,
+                    ErrorCode.PERMISSION_DENIED,
+                    ErrorCode.UNAUTHENTICATED,
+                ):  # no feed, or a credential that may not follow it: ask the index instead
                     self.unsupported = exc.message
                     log.warning("kvtier router: no index replica, queries go to the index: %s", exc)
                     return
