@@ -71,6 +71,16 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.replica_lag = Gauge(
+            "kvtier_router_index_replica_lag_seconds",
+            "since the router's replica of the index was last known current (-1: no replica "
+            "or never current); past router.index_replica_max_stale_s decisions ask the index",
+            registry=r,
+        )
+        self.replica_lag.set(-1)
+        self.peers = Gauge(
+            "kvtier_router_peers", "other router replicas whose shares are fresh", registry=r
+        )
         self.offloads = Counter(
             "kvtier_router_prefill_offloads",
             "prefills run on a helper instance, by outcome: ok (its chunks reached the "

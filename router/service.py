@@ -185,6 +185,12 @@ def build(
         anonymous = authenticator is None or not authenticator.enabled
     metrics = RouterMetrics()
     core = make_core(config, index, metrics, anonymous)
+    if isinstance(index, IndexReplica):
+        replica = index
+        metrics.replica_lag.set_function(lambda: replica.lag_s() or -1.0)
+    if core.peers is not None:
+        peers = core.peers
+        metrics.peers.set_function(lambda: len(peers.peers()))
     backends = core.backends
     tokenizer = PromptTokenizer(config.model) if config.model else None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)

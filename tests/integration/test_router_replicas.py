@@ -152,6 +152,9 @@ def test_two_replicas_given_the_same_request_choose_the_same_instance(fleet: Fle
     for n in range(6):
         prompt = list(range(n * 5000, n * 5000 + 700))
         for i in (1, 2):
+            heard = fleet.received(3 - i)
             assert _post(fleet.url(i), prompt).status_code == 200
+            # the other has heard this one's share since its request ended: the same state
+            wait_for(lambda i=i, heard=heard: fleet.received(3 - i) >= heard + 6, what="shared")
         chosen = [fleet.decisions(i)[-1]["chosen"] for i in (1, 2)]
         assert chosen[0] == chosen[1], (n, chosen)
