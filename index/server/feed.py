@@ -58,9 +58,14 @@ from kvtier.index.client.changes import (
 
 
 class ChangeFeed:
-    def __init__(self, capacity: int = 1 << 16) -> None:
+    def __init__(self, capacity: int = 1 << 16, max_keys: int = 1 << 22) -> None:
+        """At most ``capacity`` changes and ``max_keys`` chunk keys in them (4 Mi: ~100 MB
+        of keys and tuples; the oldest changes go first)."""
         self.epoch = secrets.token_hex(8)
-        self._changes: deque[Change] = deque(maxlen=capacity)
+        self.capacity, self.max_keys = capacity, max_keys
+        self._changes: deque[Change] = deque()
+        self._sizes: deque[int] = deque()  # keys of each change, in step with _changes
+        self._keys = 0
         self._last = 0
         self._new = threading.Condition()
 
@@ -71,7 +76,16 @@ class ChangeFeed:
     def append(self, kind: ChangeKind, **fields: object) -> None:
         with self._new:
             self._last += 1
-            self._changes.append(Change(self._last, kind, **fields))  # type: ignore[arg-type]
+            change = Change(self._last, kind, **fields)  # type: ignore[arg-type]
+            size = _keys_in(change)
+            self._changes.append(change)
+            self._sizes.append(size)
+            self._keys += size
+            while len(self._changes) > self.capacity or (
+                self._keys > self.max_keys and len(self._changes) > 1
+            ):
+                self._changes.popleft()
+                self._keys -= self._sizes.popleft()
             self._new.notify_all()
 
     def read(self, epoch: str, after: int, limit: int, wait_s: float = 0.0) -> FeedBatch:
@@ -189,3 +203,12 @@ class FeedingIndex(ForwardingIndex):
         with self._lock:
             self.inner.replace(location, holdings, epoch=epoch, seq=seq)
             self.feed.append(ChangeKind.REPLACE, location=location, holdings=holdings)
+
+
+def _keys_in(change: Change) -> int:
+    keys = sum(len(op.keys) for op in change.ops)
+    if change.holdings:
+        keys += sum(len(k) for by_ns in change.holdings.values() for k in by_ns.values())
+    if change.share is not None:
+        keys += sum(len(k) for _, _, k in change.share.routed)
+    return keys

@@ -98,8 +98,10 @@ def test_a_snapshot_taken_mid_way_then_the_feed_gives_the_same_index() -> None:
     assert _seen(replica.copy) == _seen(source)
 
 
-def test_a_replica_past_what_the_feed_keeps_loads_a_snapshot_again() -> None:
-    source = FeedingIndex(MemoryIndex(), ChangeFeed(capacity=4))
+@pytest.mark.parametrize("feed", [ChangeFeed(capacity=4), ChangeFeed(max_keys=16)])
+def test_a_replica_past_what_the_feed_keeps_loads_a_snapshot_again(feed: ChangeFeed) -> None:
+    """The feed keeps a bounded number of changes and of chunk keys in them."""
+    source = FeedingIndex(MemoryIndex(), feed)
     replica = IndexReplica(source, start=False)
     replica.sync_once()
     _writes(source)  # more than 4 changes: the first ones are gone from the ring
