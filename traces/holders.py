@@ -50,13 +50,18 @@ class Holders:
         for key in inserted:
             bits[key] = bits.get(key, 0) | bit
 
+    def bitmaps(self, keys: Sequence[Key]) -> list[int]:
+        """Per key, the bitmap of the members holding it."""
+        get = self._bits.get
+        return [get(key, 0) for key in keys]
+
     def matrix(self, keys: Sequence[Key]) -> np.ndarray:
         """(len(keys), members) bool: member m holds keys[j]."""
-        get = self._bits.get
-        return self._unpack([get(key, 0) for key in keys])
+        return self.unpack(self.bitmaps(keys))
 
-    def leading_runs(self, keys: Sequence[Key]) -> np.ndarray:
-        """Per member (int64): how many leading keys it holds, i.e. ``BlockCache.match``."""
+    def leading_runs(self, keys: Sequence[Key]) -> tuple[np.ndarray, int]:
+        """Per member (int64): how many leading keys it holds, i.e. ``BlockCache.match``;
+        and the longest of those runs."""
         get = self._bits.get
         rows = []  # rows[j]: the members holding keys[0..j]; each row a subset of the last
         alive = -1  # every member (an int with all bits set)
@@ -66,10 +71,11 @@ class Holders:
                 break
             rows.append(alive)
         if not rows:
-            return np.zeros(self.members, dtype=np.int64)
-        return self._unpack(rows).sum(axis=0, dtype=np.int64)
+            return np.zeros(self.members, dtype=np.int64), 0
+        return self.unpack(rows).sum(axis=0, dtype=np.int64), len(rows)
 
-    def _unpack(self, rows: list[int]) -> np.ndarray:
+    def unpack(self, rows: list[int]) -> np.ndarray:
+        """Bitmaps as a (len(rows), members) bool matrix."""
         nbytes = self._bytes
         raw = b"".join(x.to_bytes(nbytes, "little") for x in rows)
         packed = np.frombuffer(raw, dtype=np.uint8).reshape(len(rows), nbytes)

@@ -99,13 +99,20 @@ def print_capacity(r: dict[str, Any]) -> None:
 def print_simulation(reports: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
-    t = Table(title="tiered simulation: share of prompt blocks served by each tier")
+    title = "tiered simulation: share of prompt blocks served by each tier"
+    fleets = {(r["spec"]["instances"], r["spec"]["instances_per_node"]) for r in reports}
+    if len(fleets) == 1:
+        ((instances, per_node),) = fleets
+        nodes = -(-instances // per_node)
+        title += f" ({instances:,} instances, {nodes:,} node{'s' if nodes > 1 else ''})"
+    t = Table(title=title)
     for col in ("routing", "dram policy", "GPU blk/inst", "DRAM blk/node"):
         t.add_column(col, justify="right")
     for tier in TIERS:
         t.add_column(tier, justify="right")
     t.add_column("total hit", justify="right")
     t.add_column("req max/mean", justify="right")
+    t.add_column("prefill max/mean", justify="right")  # computed (missed) tokens
     t.add_column("TTFT p50/p90 (model)", justify="right")
     for r in reports:
         spec = r["spec"]
@@ -118,6 +125,7 @@ def print_simulation(reports: list[dict[str, Any]]) -> None:
             *(f"{hr[tier]:.3f}" for tier in TIERS),
             f"{r['total_hit_ratio']:.3f}",
             f"{r['load']['requests_max_over_mean']:.2f}",
+            f"{r['load']['miss_tokens_max_over_mean']:.2f}",
             f"{r['modelled_ttft_s']['p50']:.2f} / {r['modelled_ttft_s']['p90']:.2f}",
         )
     console = make_console()

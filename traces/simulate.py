@@ -140,11 +140,16 @@ class ClusterSim:
         """Per instance (int64 arrays): blocks of ``ids`` it would read from its GPU, then
         its node's pool, then other nodes' pools (leading runs, in that order), without
         touching any cache. The same numbers as asking every cache in turn (``match``)."""
-        gpu = self._gpu_holders.leading_runs(ids)
-        if not len(self._pool_holders):
-            zeros = np.zeros_like(gpu)
+        gpu, longest = self._gpu_holders.leading_runs(ids)
+        pools = self._pool_holders
+        bits = pools.bitmaps(ids) if len(pools) else [0]
+        # Runs from a start at or before the first block no pool holds end there; later rows
+        # matter only to an instance whose GPU run goes past it (then all rows are needed).
+        cold = bits.index(0) if 0 in bits else len(bits)
+        if (cold == 0 and longest == 0) or not len(pools):
+            zeros = np.zeros_like(gpu)  # no pool holds a block any instance would start at
             return gpu, zeros, zeros
-        held = self._pool_holders.matrix(ids)  # (blocks, nodes)
+        held = pools.unpack(bits if longest > cold else bits[: cold + 1])  # (blocks, nodes)
         node = self._node_of
         dram = next_false(held)[gpu, node] - gpu
         if not self._track_remote:
@@ -271,17 +276,22 @@ def simulate(
     specs: Sequence[ClusterSpec],
     *,
     derive_sessions: bool,
+    with_sessions: bool | None = None,
 ) -> list[dict[str, Any]]:
-    """Feed every spec the same requests in one pass; returns one report per spec."""
+    """Feed every spec the same requests in one pass; returns one report per spec.
+
+    Sessions are tracked, and handed to every spec (its policy's tie-break then spreads by
+    session), when ``with_sessions``; by default when some spec routes ``sticky``."""
     if not specs:
         return []
     sims = [ClusterSim(spec) for spec in specs]
     block_tokens = specs[0].block_tokens
-    need_sessions = any(spec.routing == "sticky" for spec in specs)
+    if with_sessions is None:
+        with_sessions = any(spec.routing == "sticky" for spec in specs)
     tracker = SessionTracker.standalone(block_tokens, derive=derive_sessions)
     for req in requests:
         session = None
-        if need_sessions:
+        if with_sessions:
             session = tracker.observe(req).session
         for sim in sims:
             sim.step(req, session)
@@ -294,12 +304,14 @@ def _simulate_file(
     block_tokens: int,
     specs: list[ClusterSpec],
     replication: Replication,
+    with_sessions: bool | None = None,
 ) -> list[dict[str, Any]]:
     reader = TraceReader(path, fmt, block_tokens)
     return simulate(
         replication.apply(reader),
         specs,
         derive_sessions=reader.format is TraceFormat.MOONCAKE,
+        with_sessions=with_sessions,
     )
 
 
@@ -322,9 +334,11 @@ def simulate_file(
     from concurrent.futures import ProcessPoolExecutor
 
     groups = [list(specs[i::jobs]) for i in range(jobs)]
+    # Sessions as one process over all specs would have them, so --jobs changes no figure.
+    sessions = any(spec.routing == "sticky" for spec in specs)
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [
-            pool.submit(_simulate_file, str(path), str(fmt), block_tokens, g, replication)
+            pool.submit(_simulate_file, str(path), str(fmt), block_tokens, g, replication, sessions)
             for g in groups
         ]
         parts = [f.result() for f in futures]

@@ -6,17 +6,30 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import random
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from kvtier.cli import app
-from kvtier.router.policies import POLICIES, Candidate, Load, make_policy
+from kvtier.router.policies import (
+    POLICIES,
+    Candidate,
+    LeastLoad,
+    Load,
+    RoundRobin,
+    RouteRequest,
+    Sticky,
+    _spread,
+    make_policy,
+)
+from kvtier.traces.fastroute import rendezvous
 from kvtier.traces.formats import TraceRequest, read_trace
 from kvtier.traces.holders import Holders, next_false
 from kvtier.traces.replicate import Replication
@@ -104,7 +117,7 @@ class ReferenceSim:
         spec, ids, bt = self.spec, req.hash_ids, self.spec.block_tokens
         now = req.timestamp / 1000.0
         loads = self.loads(now)
-        if any(isinstance(self.policy, t) for t in _blind_types()):
+        if isinstance(self.policy, (RoundRobin, LeastLoad, Sticky)):
             cands = [Candidate(n, Load(*load)) for n, load in zip(self.names, loads, strict=True)]
         else:
             cands = [
@@ -112,7 +125,7 @@ class ReferenceSim:
                 for n, load, runs in zip(self.names, loads, self.tier_runs(ids), strict=True)
             ]
         spread = f"{len(ids)}:{ids[-1]}" if ids else None
-        request = _route_request(req.input_length, session, spread)
+        request = RouteRequest(req.input_length, None if session is None else str(session), spread)
         decision = self.policy.choose(request, cands)
         self.decisions[decision.reason] += 1
         i = decision.index
@@ -154,18 +167,6 @@ class ReferenceSim:
 
     def report(self) -> dict[str, Any]:
         return ClusterSim.report(self)  # type: ignore[arg-type]  # the same fields
-
-
-def _blind_types() -> tuple[type, ...]:
-    from kvtier.router.policies import LeastLoad, RoundRobin, Sticky
-
-    return (RoundRobin, LeastLoad, Sticky)
-
-
-def _route_request(tokens: int, session: int | None, spread: str | None) -> Any:
-    from kvtier.router.policies import RouteRequest
-
-    return RouteRequest(tokens, None if session is None else str(session), spread)
 
 
 # -- equivalence ---------------------------------------------------------------------------------
@@ -252,21 +253,30 @@ def test_holders_track_every_cache_and_give_their_leading_runs() -> None:
         keys = [rng.randrange(40) for _ in range(rng.randrange(1, 25))]
         holders.update(m, *caches[m].store(keys, start))
         probe = list(dict.fromkeys(rng.randrange(40) for _ in range(8)))
-        assert holders.leading_runs(probe).tolist() == [c.match(probe) for c in caches]
+        assert holders.leading_runs(probe)[0].tolist() == [c.match(probe) for c in caches]
         held = holders.matrix(probe)
         assert held.shape == (len(probe), len(caches))
         assert all(held[j, k] == (key in caches[k]) for j, key in enumerate(probe) for k in (0, m))
-    assert holders.leading_runs([]).tolist() == [0] * len(caches)
+    assert holders.leading_runs([])[0].tolist() == [0] * len(caches)
 
 
 def test_next_false_gives_runs_from_every_start() -> None:
-    import numpy as np
-
     held = np.array([[1, 0], [1, 1], [0, 1], [1, 1]], dtype=bool)
     out = next_false(held)
     assert out[:, 0].tolist() == [2, 2, 2, 4, 4]
     assert out[:, 1].tolist() == [0, 4, 4, 4, 4]
     assert next_false(np.zeros((0, 3), dtype=bool)).tolist() == [[0, 0, 0]]
+
+
+def test_rendezvous_is_the_policies_tie_break() -> None:
+    names = SimRouter(make_policy("lmetric"), 300, 512).names
+    encoded = [n.encode() for n in names]
+    rng = random.Random(5)
+    for key in [None, "7", "31:123456", "session-é", *(str(rng.random()) for _ in range(30))]:
+        request = RouteRequest(100, None, key)
+        idx = sorted(rng.sample(range(len(names)), rng.randrange(1, 60)))
+        want = min(idx, key=lambda i: _spread(request, Candidate(names[i])))
+        assert rendezvous(request.tie_key, encoded, idx) == want
 
 
 def _r(ts: float, ids: list[int], session: str | None = None) -> TraceRequest:
@@ -350,8 +360,6 @@ def test_cli_simulate_replicates(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "600 requests" in result.output and "4 copies" in result.output
-    import json
-
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["replication"]["copies"] == 4
     assert [run["requests"] for run in data["runs"]] == [600, 600]
