@@ -193,13 +193,13 @@ class RoutingCore:
             results = self.index.copy.query(queries)  # in this process: no deadline needed
         else:  # None (past the deadline, failed): routing by load only, never an error
             results = self.gate.call("query", self.index.query, queries) or []
-        by_ns = {r.ns_id: r for r in results}
+        by_ns = {r.ns_id: _Runs(r) for r in results}
         for b in backends:
             if b.namespace is None:
                 continue
             chunk = self.chunk_tokens(b.namespace)
-            result = by_ns.get(b.namespace)
-            gpu, dram, remote = _runs(result, b) if result is not None else (0, 0, 0)
+            runs = by_ns.get(b.namespace)
+            gpu, dram, remote = runs.of(b) if runs is not None else (0, 0, 0)
             keys = keys_of.get(b.namespace)
             if keys:
                 gpu = max(gpu, self.speculative.leading(keys, b.name))
@@ -299,20 +299,39 @@ class RoutingCore:
             self._log.close()
 
 
-def _runs(result: QueryResult, backend: Backend) -> tuple[int, int, int]:
-    """(GPU run of the instance, DRAM run on its node, best DRAM run anywhere) in chunks."""
-    gpu = dram = remote = 0
-    for holding in result.holdings:
-        if holding.location == backend.name:
-            gpu = max(gpu, holding.runs.get(Tier.GPU, 0))
-            dram = max(dram, holding.runs.get(Tier.CPU, 0))  # the instance's own offload
-        elif holding.kind is LocationKind.NODE:
-            run = holding.runs.get(Tier.CPU, 0)
-            if backend.node and holding.location == backend.node:  # a store's name: its node
-                dram = max(dram, run)
-            else:
-                remote = max(remote, run)
-    return gpu, dram, remote
+class _Runs:
+    """One answer of the index, indexed once for every candidate: by location, and the two
+    nodes holding the longest DRAM runs (the best remote run of any instance is one of them)."""
+
+    def __init__(self, result: QueryResult) -> None:
+        self.by_location = {h.location: h for h in result.holdings}
+        nodes = sorted(
+            (
+                (h.runs.get(Tier.CPU, 0), h.location)
+                for h in result.holdings
+                if h.kind is LocationKind.NODE
+            ),
+            reverse=True,
+        )
+        self.top_nodes = nodes[:2]
+
+    def of(self, backend: Backend) -> tuple[int, int, int]:
+        """(GPU run of the instance, DRAM run on its node, best DRAM run on another node) in
+        chunks."""
+        gpu = dram = remote = 0
+        own = self.by_location.get(backend.name)
+        if own is not None and own.kind is not LocationKind.NODE:
+            gpu = own.runs.get(Tier.GPU, 0)
+            dram = own.runs.get(Tier.CPU, 0)  # the instance's own offload
+        if backend.node:
+            node = self.by_location.get(backend.node)
+            if node is not None and node.kind is LocationKind.NODE:
+                dram = max(dram, node.runs.get(Tier.CPU, 0))
+        for run, location in self.top_nodes:
+            if not backend.node or location != backend.node:  # a store's name: its node
+                remote = run
+                break
+        return gpu, dram, remote
 
 
 def _hostport(url: str) -> str:

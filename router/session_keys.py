@@ -55,12 +55,12 @@ class SessionKeys:
             # the whole last prompt, compared as lists: ids a tokenizer carried over from the
             # last turn are the same objects, so the comparison is mostly pointer checks
             n = len(last_ids)
-            if n <= len(token_ids) and list(token_ids[:n]) == last_ids:
+            if n <= len(token_ids) and list_of(token_ids[:n]) == last_ids:
                 reuse, keys = len(last_keys), list(last_keys)
         full = len(token_ids) // chunk * chunk
         parent = keys[-1] if keys else namespace.root_key()
         keys += chunk_keys(parent, token_ids[reuse * chunk : full], chunk, first_chunk=reuse)
-        ids = list(token_ids)
+        ids = list_of(token_ids)  # kept as is: a decision's ids are not changed after it
         with self._lock:
             self.reused += reuse
             self.hashed += len(keys) - reuse
@@ -73,3 +73,7 @@ class SessionKeys:
                 _, (dropped, _) = self._last.popitem(last=False)
                 self._tokens -= len(dropped)
         return keys
+
+
+def list_of(token_ids: Sequence[int]) -> list[int]:
+    return token_ids if isinstance(token_ids, list) else list(token_ids)
