@@ -78,6 +78,8 @@ class PeerShares:
         self._routed: list[tuple[str, bytes, tuple[bytes, ...]]] = []
         self._routed_keys = 0
         self._peers: dict[str, tuple[RouterShare, float]] = {}  # router -> (share, received)
+        self._last_instances: tuple[InstanceShare, ...] | None = None  # what was last sent
+        self._last_sent = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         index.on_share = self.receive
@@ -108,8 +110,13 @@ class PeerShares:
             )
             for b in self.backends.all()
         )
-        self.index.share(RouterShare(self.name, self.ttl_s, instances, tuple(routed)))
-        self.sent += 1
+        # the same view again only as a keepalive, before its TTL ends (the feed carries every
+        # share to every replica: an idle fleet's shares must not crowd its index's changes)
+        same = not routed and instances == self._last_instances
+        if not same or now - self._last_sent >= self.ttl_s / 2:
+            self.index.share(RouterShare(self.name, self.ttl_s, instances, tuple(routed)))
+            self._last_instances, self._last_sent = instances, now
+            self.sent += 1
         self._apply()  # the others' lapsed shares leave the view even when none arrive
 
     # -- the others' shares -----------------------------------------------------------------
