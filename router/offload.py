@@ -59,11 +59,10 @@ class PrefillOffload:
         home = by_name.get(routed.backend.name)
         if home is None or tokens < self.config.offload_min_tokens:
             return None
-        costs = self.costs
-        home_queue = home.load.pending_prefill_tokens
-        here = home_queue + costs.uncached(home.coverage, tokens)
-        if costs.uncached(home.coverage, tokens) < self.config.offload_min_tokens:
+        home_computes = self.costs.uncached(home.coverage, tokens)
+        if home_computes < self.config.offload_min_tokens:
             return None  # home holds most of it: nothing heavy to move
+        here = home.load.pending_prefill_tokens + home_computes
         best: Offload | None = None
         for backend in backends:
             helper = by_name.get(backend.name)

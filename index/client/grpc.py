@@ -158,7 +158,7 @@ class GrpcIndexClient(ChunkIndex):
         reply = self._call("Stats", pb.StatsRequest())
         return IndexHealth(reply.health), reply.health_reason
 
-    # -- the change feed (a router's replica: router/index_replica.py) --------------------------
+    # -- the change feed (a router's replica: index/client/replica.py) ---------------------------
 
     def follow(self, epoch: str, after: int, limit: int = 4096, wait_s: float = 0.0) -> FeedBatch:
         """Changes after ``after`` of feed ``epoch``, waiting up to ``wait_s`` (the server caps

@@ -1,8 +1,8 @@
-"""A router's replica of the index (router/index_replica.py) against a real ``kvtier index
-serve`` process with credentials: it follows the change feed as a router's credential may,
-an engine's credential can neither follow nor snapshot (the feed carries every tenant's
-namespaces and chunks), and an index on Redis, which keeps no feed, leaves the router asking
-the index, with the reason."""
+"""A router's replica of the index (index/client/replica.py) against a real ``kvtier index
+serve`` process with credentials: it follows the change feed as a router's credential may; an
+engine's credential can neither follow nor snapshot (the feed carries every tenant's
+namespaces and chunks) nor share a router's view; an index on Redis, which keeps no feed,
+leaves the router asking the index, with the reason."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvtier.core.chunks import Tier
 from kvtier.core.errors import ErrorCode
 from kvtier.core.keys import prompt_keys
 from kvtier.index.api import ChunkOp, LocationKind, Query, Registration
+from kvtier.index.client.changes import InstanceShare, RouterShare
 from kvtier.index.client.replica import IndexReplica
 from kvtier.store.api.events import EventKind
 from kvtier.testing.services import Service
@@ -60,10 +61,12 @@ def test_a_router_replica_follows_every_tenants_writes(index: Service) -> None:
         replica.close()
 
 
-def test_an_engine_credential_can_neither_follow_nor_snapshot(index: Service) -> None:
+def test_an_engine_credential_can_neither_follow_snapshot_nor_share(index: Service) -> None:
+    """Nor steer the routers: sharing a router's view is a router's (reader) call."""
     engine = client(index, "engine-b")
     engine.register_namespace(NS_B)
-    for call, args in ((engine.follow, ("", 0)), (engine.snapshot, ())):
+    share = RouterShare("not-a-router", 1.0, (InstanceShare("vllm-b", ejected_for_s=60),))
+    for call, args in ((engine.follow, ("", 0)), (engine.snapshot, ()), (engine.share, (share,))):
         assert refused(call, *args).code is ErrorCode.PERMISSION_DENIED
 
 
