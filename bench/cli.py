@@ -274,7 +274,9 @@ def bench_decode_overhead(
 
 @bench_app.command("index")
 def bench_index(
-    backends: Annotated[str, typer.Option(help="memory,redis")] = "memory,redis",
+    backends: Annotated[
+        str, typer.Option(help="memory,redis,redis-cluster")
+    ] = "memory,redis,redis-cluster",
     entries: Annotated[int, typer.Option(help="chunk entries in the index")] = 1_000_000,
     instances: Annotated[int, typer.Option(help="vLLM instances holding them")] = 64,
     tokens: Annotated[int, typer.Option(help="prompt length asked about")] = 131072,
@@ -282,16 +284,28 @@ def bench_index(
     redis_url: Annotated[
         str | None, typer.Option(help="a Redis to use (default: start one on a free port)")
     ] = None,
+    redis_cluster_url: Annotated[
+        str | None,
+        typer.Option(help="a node of a Redis Cluster to use (default: start 3 masters + replicas)"),
+    ] = None,
     ingest_prompts: Annotated[int, typer.Option(help="8k-token prompts to ingest")] = 200,
+    redis_ingest_prompts: Annotated[
+        int, typer.Option(help="8k-token prompts to ingest into Redis (enough to time its CPU)")
+    ] = 1000,
     json_out: JsonOut = None,
 ) -> None:
-    """Index query latency (both backends) and vLLM event ingest rate, beside their floors."""
+    """Index query latency and vLLM event ingest on each backend, beside their floors, and how
+    many instances each configuration's ingest holds."""
     from kvtier.bench.micro import index
 
+    known = ("memory", "redis", "redis-cluster")
     chosen = [b.strip() for b in backends.split(",") if b.strip()]
-    if not chosen or any(b not in ("memory", "redis") for b in chosen):
-        raise typer.BadParameter("backends: memory and/or redis")
-    report = index.run(chosen, entries, instances, tokens, queries, redis_url, ingest_prompts)
+    if not chosen or any(b not in known for b in chosen):
+        raise typer.BadParameter(f"backends: a comma-separated subset of {', '.join(known)}")
+    urls = {"redis": redis_url, "redis-cluster": redis_cluster_url}
+    report = index.run(
+        chosen, entries, instances, tokens, queries, urls, ingest_prompts, redis_ingest_prompts
+    )
     index.print_report(report)
     _write(report, json_out)
 

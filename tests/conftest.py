@@ -13,6 +13,7 @@ import pytest
 
 from kvtier.core.config import StoreConfig
 from kvtier.core.keys import Namespace
+from kvtier.testing.redis_cluster import LocalRedisCluster, start_redis_cluster
 
 from support.helpers import RedisServer, StoreProcess, start_redis, start_store_process
 
@@ -64,6 +65,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """One real Redis Cluster for the session (3 masters, a replica each); tests isolate
+    themselves with key prefixes. Drills that kill or move nodes start their own."""
+    cluster = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -74,17 +74,19 @@ def poison_flow(
     store = _store(ctx)
     try:
         config = {"store_address": store.address} | (extra or {})
-        phases = [generate(prompts.a), RESET, fault(store) | {"every": True}]
+        # settled before each B: A's saves are committed when B looks up (else a B that finds
+        # nothing to load never meets the fault, and the drill counts one recompute too few)
+        phases = [generate(prompts.a), SETTLE, RESET, fault(store) | {"every": True}]
         phases += [generate(prompts.b), live_leases(store), DISARM, RESET, generate(prompts.a)]
-        phases += [RESET, generate(prompts.b), live_leases(store), METRICS]
+        phases += [SETTLE, RESET, generate(prompts.b), live_leases(store), METRICS]
         out = ctx.vllm(phases, config)
         reference = ctx.reference(prompts.a + prompts.b)
         tally(result, out[0], prompts.a, reference)
-        tally(result, out[3], prompts.b, reference, timed=True)
-        tally(result, out[7], prompts.a, reference)
-        tally(result, out[9], prompts.b, reference)
+        tally(result, out[4], prompts.b, reference, timed=True)
+        tally(result, out[8], prompts.a, reference)
+        tally(result, out[11], prompts.b, reference)
         add_counters(result, out[-1])
-        result.leaked_leases = max(out[4], out[10], _leases(store))
+        result.leaked_leases = max(out[5], out[12], _leases(store))
     finally:
         store.stop()
     return result

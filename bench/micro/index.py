@@ -1,7 +1,8 @@
 """Index benchmarks: query latency against a large index, and vLLM event ingest rate.
 
-    kvtier bench index [--backends memory,redis] [--entries 1000000] [--instances 64]
-                       [--tokens 131072] [--redis-url URL]
+    kvtier bench index [--backends memory,redis,redis-cluster] [--entries 1000000]
+                       [--instances 64] [--tokens 131072] [--redis-url URL]
+                       [--redis-cluster-url URL]
 
 Query. The index holds ``entries`` chunk entries over ``instances`` vLLM instances (and two
 node stores); the asked prompt (128k tokens = 512 chunks of 256) is held by 8 instances to
@@ -16,7 +17,9 @@ Ingest. vLLM ``BlockStored`` batches as an engine publishes them (msgpack, 16-to
 at an arbitrary token, i.e. forking inside a chunk), through decode + block mapping + the
 in-memory backend on one thread. Figure: blocks/s, beside the floor of only decoding the
 payloads; with the collector tuned as ``kvtier index serve`` tunes it, and with defaults.
-Redis is started on a free port when no ``--redis-url`` is given (needs ``redis-server``).
+Redis is started on a free port when no ``--redis-url`` is given (needs ``redis-server``),
+a 3-master cluster when no ``--redis-cluster-url`` is. On Redis and the cluster: ingest, and
+the instances each configuration's ingest holds (``index_redis``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import os
 import random
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -141,19 +143,6 @@ def memory_floor(index: MemoryIndex, keys: list[bytes], n: int) -> dict[str, dic
     }
 
 
-def redis_floor(url: str, keys: list[bytes], n: int) -> dict[str, dict]:
-    import redis
-
-    r = redis.Redis.from_url(url)
-    names = [b"kvtier:index:c:" + k for k in keys]
-    out = {
-        "floor: PING round trip": _percentiles(_timed(r.ping, n)),
-        "floor: MGET of the prompt's keys": _percentiles(_timed(lambda: r.mget(names), n)),
-    }
-    r.close()
-    return out
-
-
 def keys_floor(tokens: np.ndarray, n: int) -> dict[str, dict]:
     root = NS.root_key()
     timed = _timed(lambda: chunk_keys(root, tokens, NS.chunk_tokens), n)
@@ -186,7 +175,12 @@ def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str]:
 
 
 def run_queries(
-    backends: list[str], entries: int, instances: int, n_tokens: int, n: int, redis_url: str | None
+    backends: list[str],
+    entries: int,
+    instances: int,
+    n_tokens: int,
+    n: int,
+    redis_urls: dict[str, str | None],
 ) -> list[dict]:
     tokens = np.random.default_rng(0).integers(0, 150_000, n_tokens, dtype=np.uint32)
     reports = []
@@ -202,22 +196,15 @@ def run_queries(
             index.close()
             gc.unfreeze()
         else:
-            from kvtier.index.backends.redis import RedisIndex
+            from kvtier.bench.micro import index_redis
 
-            with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as tmp:
-                proc, url = (None, redis_url) if redis_url else _start_redis(Path(tmp))
-                try:
-                    redis_index = RedisIndex(url, prefix="kvtier:index:", timeout_s=10)
-                    redis_index.flush()
-                    keys = load_index(redis_index, entries, instances, tokens)
-                    rows |= measure_queries(redis_index, keys, tokens, max(n // 4, 100))
-                    rows |= redis_floor(url, keys, max(n // 4, 100))
-                    redis_index.flush()
-                    redis_index.close()
-                finally:
-                    if proc is not None:
-                        proc.terminate()
-                        proc.wait()
+            with index_redis.redis_index(backend, redis_urls.get(backend), "kvtier:index:") as (
+                redis_index,
+                _,
+            ):
+                keys = load_index(redis_index, entries, instances, tokens)
+                rows |= measure_queries(redis_index, keys, tokens, max(n // 4, 100))
+                rows |= index_redis.query_floor(redis_index, keys, max(n // 4, 100))
         rows |= keys_floor(tokens, 50)
         reports.append({"backend": backend, "rows": rows})
     return reports
@@ -313,10 +300,17 @@ def run(
     instances: int = 64,
     tokens: int = 131072,
     queries: int = 2000,
-    redis_url: str | None = None,
+    redis_urls: dict[str, str | None] | None = None,
     ingest_prompts: int = 200,
+    redis_ingest_prompts: int = 1000,
     repeat: int = 5,
 ) -> dict:
+    from kvtier.bench.micro import index_redis
+
+    redis_urls = redis_urls or {}
+    ingest = measure_ingest(ingest_prompts, repeat)
+    served = ingest["decode + map + index + change feed, tuned collector (as served)"]
+    redis_backends = [b for b in backends if b != "memory"]
     return {
         "entries": entries,
         "instances": instances,
@@ -324,8 +318,10 @@ def run(
         "chunks": tokens // NS.chunk_tokens,
         "cpus": os.cpu_count(),
         "load_avg": os.getloadavg()[0],
-        "query": run_queries(backends, entries, instances, tokens, queries, redis_url),
-        "ingest": measure_ingest(ingest_prompts, repeat),
+        "query": run_queries(backends, entries, instances, tokens, queries, redis_urls),
+        "ingest": ingest,
+        "redis_ingest": index_redis.run(redis_backends, redis_urls, redis_ingest_prompts),
+        "fleet": index_redis.fleet_rows(served["blocks_per_s"]),
     }
 
 
@@ -359,5 +355,26 @@ def print_report(report: dict) -> None:
     for what, row in ingest.items():
         if isinstance(row, dict):
             table.add_row(what, f"{row['blocks_per_s']:,.0f}", f"{row['blocks_per_cpu_s']:,.0f}")
+    out.print(table)
+    fleet = report["fleet"]
+    table = Table(
+        title="ingest the fleet needs: an instance prefilling without pause emits "
+        f"{fleet['events_per_instance_s']:,.0f} block events/s (stored + removed)"
+    )
+    for col in ("index", "masters", "namespaces", "blocks/s, one client", "server CPU s/master",
+                "capacity blocks/s", "instances held"):  # fmt: skip
+        table.add_column(col, justify="right")
+    memory = fleet["memory_instances_held"] * fleet["events_per_instance_s"]
+    table.add_row(
+        "memory (one process, as served)", "-", "any", f"{memory:,.0f}", "-", f"{memory:,.0f}",
+        f"{fleet['memory_instances_held']:,.0f}",
+    )  # fmt: skip
+    for row in report["redis_ingest"]:
+        table.add_row(
+            row["backend"], str(row["masters"]), str(row["namespaces"]),
+            f"{row['blocks_per_s_one_client']:,.0f}",
+            " / ".join(f"{s:.2f}" for s in row["server_cpu_s_per_master"]),
+            f"{row['capacity_blocks_per_s']:,.0f}", f"{row['instances_held']:,.0f}",
+        )  # fmt: skip
     out.print(table)
     out.print(f"machine: {report['cpus']} CPUs, load average {report['load_avg']:.2f} at start")

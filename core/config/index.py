@@ -42,12 +42,22 @@ class IndexConfig(Section):
     address: str | None = Field(
         None, description="client side: host:port of a running index; unset = embedded index"
     )
-    backend: Literal["memory", "redis"] = Field(
+    backend: Literal["memory", "redis", "redis-cluster"] = Field(
         "memory",
-        description="memory: this process holds the index; redis: replicas share redis_url",
+        description="memory: this process holds the index; redis: replicas share redis_url; "
+        "redis-cluster: replicas share a Redis Cluster (redis_url: any of its nodes), the "
+        "index cut into redis_shards by namespace",
     )
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", description="the Redis server of backend = redis"
+    )
+    redis_shards: int = Field(
+        6,
+        ge=1,
+        le=1024,
+        description="backend = redis-cluster: shards the index is cut into, spread evenly over "
+        "the hash slots (so over masters owning equal slot ranges); every index process sharing "
+        "the prefix uses the same number",
     )
     redis_prefix: str = Field("kvtier:index:", description="key prefix (one per cluster)")
     redis_timeout_s: float = Field(1.0, gt=0, description="deadline of one Redis call")

@@ -60,6 +60,7 @@ from kvtier.index.api import (
     unserved_namespace,
 )
 from kvtier.index.backends import redis_lua
+from kvtier.index.backends.redis_shard import ShardClient
 from kvtier.index.backends.redis_watch import GenerationWatch
 from kvtier.store.api.events import EventKind
 
@@ -104,20 +105,24 @@ class RedisIndex(ChunkIndex):
         clock: Callable[[], float] = time.time,
         max_namespaces: int | None = None,
         max_claim_ttl_s: float | None = None,
+        shard: ShardClient | None = None,
     ) -> None:
         """``max_namespaces``: refuse a new namespace past this many (None: no bound).
-        ``max_claim_ttl_s``: the longest any claim lasts without renewal (None: as asked)."""
+        ``max_claim_ttl_s``: the longest any claim lasts without renewal (None: as asked).
+        ``shard``: this index is one shard of ``RedisClusterIndex``, on the node serving that
+        client's slot (``prefix`` carries the slot's hash tag); see ``redis_shard``."""
         self.url = url
         self._max_ns = max_namespaces or 0
         self._max_claim_ms = int(max_claim_ttl_s * 1000) if max_claim_ttl_s else 0
         self._p = prefix.encode()
         self._clock = clock
-        self._r = redis.Redis.from_url(
+        self._r: Any = shard or redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             decode_responses=False,
         )
+        self._shard = shard
         self._apply = self._r.register_script(redis_lua.APPLY)
         self._begin_replace = self._r.register_script(redis_lua.BEGIN_REPLACE)
         self._register = self._r.register_script(redis_lua.REGISTER)
@@ -131,7 +136,8 @@ class RedisIndex(ChunkIndex):
         self._regs: dict[str, Registration] = {}
         self._own: set[str] = set()  # locations registered through this process
         self._down_reason = ""
-        self._watch = GenerationWatch(self._r, self._p + b"generation", url, self._rewrite)
+        where = shard.node_name if shard is not None else None
+        self._watch = GenerationWatch(self._r, self._p + b"generation", url, self._recover, where)
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -142,7 +148,11 @@ class RedisIndex(ChunkIndex):
         try:
             if self._watch.generation is None:  # first contact: adopt before writing
                 self._watch.establish()
+            elif self._watch.moved():  # a cluster shard on another node: reset it first
+                self._watch.check()
             result = fn(*args, **kwargs)
+            if self._watch.moved():  # answered by a node not checked yet: not trusted
+                raise redis.ConnectionError("the shard moved to another node during the call")
         except _REDIS_DOWN as exc:
             self._down_reason = f"redis {self.url} unreachable: {exc}"
             raise KvtierError(ErrorCode.UNAVAILABLE, self._down_reason) from None
@@ -158,6 +168,17 @@ class RedisIndex(ChunkIndex):
             self._call(self._watch.check)
         except KvtierError as exc:
             log.debug("redis generation check: %s", exc)
+
+    def _recover(self) -> None:
+        """After a reset. On a cluster shard that another node now serves, first take every
+        location's entries down (status down, cursor cleared): the node may lack the newest
+        writes, removals among them, and answers must not name a holder that dropped a chunk.
+        Their writers' next apply or heartbeat answers RESYNC."""
+        if self._shard is not None:
+            names = self._r.hkeys(self._p + b"locs")
+            for name in names:
+                self._drop(keys=[self._loc_key(name.decode())], args=[self._p, name, "0", ""])
+        self._rewrite()
 
     def _rewrite(self) -> None:
         """After a reset: write back every namespace this process knows and every location
@@ -410,12 +431,13 @@ class RedisIndex(ChunkIndex):
                 ns_map: dict[bytes, Namespace | None] = {q.ns_id: namespace} if known else {}
                 resolved.append(resolve_keys(q, ns_map))
             asked = [b"".join(keys) for keys in resolved if keys]
+            ns_key = [self._p + b"ns"]  # declared: a cluster routes the script by it
             if len(asked) == 1:  # one prompt: no pipeline to pay for
-                raw = iter([self._call(self._query_script, keys=[], args=[self._p, asked[0]])])
+                raw = iter([self._call(self._query_script, keys=ns_key, args=[self._p, asked[0]])])
             elif asked:
                 pipe = self._r.pipeline(transaction=False)
                 for blob in asked:
-                    self._query_script(keys=[], args=[self._p, blob], client=pipe)
+                    self._query_script(keys=ns_key, args=[self._p, blob], client=pipe)
                 raw = iter(self._call(pipe.execute))
             else:
                 raw = iter(())

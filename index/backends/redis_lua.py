@@ -13,8 +13,9 @@ Key layout under the prefix ``P`` (bytes, default ``kvtier:index:``):
 - ``P generation`` a random id: missing or changed means Redis lost the rest (see
   ``backend_watch``).
 
-Scripts take the prefix as ARGV[1]. They touch keys they derive from it, so they need a
-single Redis (not Cluster), which is what the backend supports.
+Scripts take the prefix as ARGV[1]. They touch keys they derive from it, so all of them must
+live on one node: a single Redis, or on Redis Cluster one shard whose prefix carries a hash
+tag (``kvtier:index:{s3}:``, see ``redis_cluster``), which puts every key of it in one slot.
 """
 
 from __future__ import annotations

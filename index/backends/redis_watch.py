@@ -20,6 +20,14 @@ adopted id:
   it knows), and count it: writers compare ``BackendResets.resets`` with what they last sent
   their whole state for, and send it again.
 
+On Redis Cluster (``lost_on_move``: the backend is one shard of ``RedisClusterIndex``) a new
+run_id is a reset too: another node now serves the shard, a replica promoted by a failover
+(which may lack the newest writes: replication is asynchronous) or the slot's new owner after
+a reshard, and nothing can tell whether every acknowledged write reached it. ``where`` names
+the node serving the shard as the client's slot map has it (no round trip): ``moved()``
+compares it with the node ``check`` adopted, so the backend can refuse an answer that came from
+a node it has not checked yet.
+
 Threading: thread-safe (one lock around a check; ``recover`` runs under it, so two threads
 noticing the same reset recover once).
 """
@@ -34,17 +42,26 @@ from collections.abc import Callable
 import redis
 
 from kvtier.index.api import BackendResets
+from kvtier.index.backends.redis_shard import ShardClient
 
 log = logging.getLogger(__name__)
 
 
 class GenerationWatch:
     def __init__(
-        self, client: redis.Redis, key: bytes, url: str, recover: Callable[[], None]
+        self,
+        client: redis.Redis | ShardClient,
+        key: bytes,
+        url: str,
+        recover: Callable[[], None],
+        where: Callable[[], str] | None = None,
     ) -> None:
         """``recover``: write back what this process knows (raises if Redis fails meanwhile:
-        the next ``check`` tries again)."""
+        the next ``check`` tries again). ``where``: the node serving the data, on a cluster
+        (then a new run_id is a reset, see the module docstring)."""
         self._r = client
+        self._where = where
+        self._adopted_where = ""
         self._key = key
         self._url = url
         self._recover = recover
@@ -70,6 +87,11 @@ class GenerationWatch:
             if self.generation is None:
                 self.generation, self._run_id = self._adopt()
 
+    def moved(self) -> bool:
+        """Whether the client now routes to a node other than the one ``check`` adopted (a
+        cluster shard after a failover or a reshard); always False on a single Redis."""
+        return self._where is not None and self._where() != self._adopted_where
+
     def forget(self) -> None:
         """The prefix was deleted on purpose (``flush``): adopt afresh, no reset."""
         with self._lock:
@@ -84,6 +106,7 @@ class GenerationWatch:
             if self.generation is None:
                 self.generation, self._run_id = self._adopt()
                 return
+            moved_to = self._where() if self._where is not None else ""  # the node asked next
             pipe = self._r.pipeline(transaction=False)
             pipe.get(self._key)
             pipe.info("server")
@@ -91,7 +114,20 @@ class GenerationWatch:
             if isinstance(generation, Exception):
                 raise generation
             run_id = _run_id(info)
-            if generation != self.generation and not self._lost:
+            if (  # a cluster shard served by another node: it may lack our newest writes
+                self._where is not None
+                and not self._lost
+                and (moved_to != self._adopted_where or (run_id and run_id != self._run_id))
+            ):
+                self._lost = True
+                self._resets += 1
+                self._reason = (
+                    f"shard moved from {self._adopted_where} (run_id {self._run_id[:8]}) to "
+                    f"{moved_to} (run_id {run_id[:8]}): a failover or a reshard may have lost "
+                    "acknowledged writes"
+                )
+                log.warning("%s at %s: resyncing every source", self._reason, self._url)
+            elif generation != self.generation and not self._lost:
                 self._lost = True
                 self._resets += 1
                 cause = "generation key missing" if generation is None else "generation changed"
@@ -115,6 +151,7 @@ class GenerationWatch:
 
     def _adopt(self) -> tuple[bytes, str]:
         """Set a generation unless Redis has one; return the one it has, and its run_id."""
+        where = self._where() if self._where is not None else ""  # before the pipeline binds
         pipe = self._r.pipeline(transaction=False)
         pipe.set(self._key, uuid.uuid4().hex.encode(), nx=True)
         pipe.get(self._key)
@@ -126,6 +163,7 @@ class GenerationWatch:
             if isinstance(written, Exception):
                 raise written
             raise redis.ConnectionError("the generation key vanished while being set")
+        self._adopted_where = where
         return generation, _run_id(info)
 
 

@@ -32,7 +32,7 @@ def _json_list(values: list[str] | None, what: str) -> list[Any] | None:
 @index_app.command("serve")
 def serve(
     config_file: ConfigOpt = None,
-    backend: Annotated[str | None, typer.Option(help="memory | redis")] = None,
+    backend: Annotated[str | None, typer.Option(help="memory | redis | redis-cluster")] = None,
     redis_url: Annotated[str | None, typer.Option(help="redis://host:port/db")] = None,
     redis_prefix: Annotated[str | None, typer.Option(help="key prefix (one per cluster)")] = None,
     grpc_host: Annotated[str | None, typer.Option()] = None,

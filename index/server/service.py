@@ -39,6 +39,17 @@ log = logging.getLogger(__name__)
 
 
 def build_backend(config: IndexConfig) -> ChunkIndex:
+    if config.backend == "redis-cluster":
+        from kvtier.index.backends.redis_cluster import RedisClusterIndex
+
+        return RedisClusterIndex(
+            config.redis_url,
+            config.redis_prefix,
+            config.redis_timeout_s,
+            max_namespaces=config.max_namespaces,
+            max_claim_ttl_s=config.max_claim_ttl_s,
+            shards=config.redis_shards,
+        )
     if config.backend == "redis":
         from kvtier.index.backends.redis import RedisIndex
 

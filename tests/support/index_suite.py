@@ -32,9 +32,11 @@ from kvtier.index.api import (
 )
 from kvtier.index.backends.memory import MemoryIndex
 from kvtier.index.backends.redis import RedisIndex
+from kvtier.index.backends.redis_cluster import RedisClusterIndex
 from kvtier.index.client.grpc import GrpcIndexClient
 from kvtier.index.server.service import IndexService
 from kvtier.store.api.events import EventKind
+from kvtier.testing.redis_cluster import LocalRedisCluster
 
 from support.helpers import RedisServer
 
@@ -53,11 +55,16 @@ class Clock:
         return self.now
 
 
-def make_index(kind: str, clock: Clock, redis_server: RedisServer | None) -> ChunkIndex:
+def make_index(
+    kind: str, clock: Clock, redis_server: RedisServer | LocalRedisCluster | None
+) -> ChunkIndex:
     if kind == "memory":
         return MemoryIndex(clock=clock)
     assert redis_server is not None
-    return RedisIndex(redis_server.url, prefix=f"t:{uuid.uuid4().hex[:8]}:", clock=clock)
+    prefix = f"t:{uuid.uuid4().hex[:8]}:"
+    if kind == "redis-cluster":  # 4 shards over the cluster's 3 masters
+        return RedisClusterIndex(redis_server.url, prefix=prefix, clock=clock, shards=4)
+    return RedisIndex(redis_server.url, prefix=prefix, clock=clock)
 
 
 @pytest.fixture
@@ -77,12 +84,13 @@ def index(backend: str, clock: Clock, request: pytest.FixtureRequest) -> Iterato
             client.close()
             service.stop()
         return
-    server = request.getfixturevalue("redis_server") if backend == "redis" else None
+    fixture = {"redis": "redis_server", "redis-cluster": "redis_cluster"}.get(backend)
+    server = request.getfixturevalue(fixture) if fixture else None
     idx = make_index(backend, clock, server)
     try:
         yield idx
     finally:
-        if isinstance(idx, RedisIndex):
+        if isinstance(idx, (RedisIndex, RedisClusterIndex)):
             idx.flush()
         idx.close()
 
