@@ -223,8 +223,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     async def _pick(
         self, ex: _Exchange, raw: bytes | None, end_of_stream: bool = True
     ) -> list[Any]:
-        ids, forward, session = await self._prompt(ex, raw)
-        prompt_tokens = len(ids) if ids is not None else max(1, len(raw or b"") // 4)
+        ids, forward, session, counted = await self._prompt(ex, raw)
+        prompt_tokens = counted if counted is not None else max(1, len(raw or b"") // 4)
         subset = None
         if ex.subset is not None:  # ip:port as the gateway writes it, or an instance's name
             known = {b.name for b in self.backends.all() if endpoint_of(b.url) in ex.subset}
@@ -282,14 +282,15 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
     async def _prompt(
         self, ex: _Exchange, raw: bytes | None
-    ) -> tuple[list[int] | None, bytes | None, str | None]:
-        """(token ids, body to forward if changed, session), as the proxy reads a request."""
+    ) -> tuple[list[int] | None, bytes | None, str | None, int | None]:
+        """(token ids, body to forward if changed, session, the prompt's length in tokens), as
+        the proxy reads a request."""
         session: str | None = ex.headers.get(self.config.session_header.lower()) or None
         if raw is None:
-            return None, None, session
+            return None, None, session, None
         api = _api(ex.headers.get(":path", ""))
         if api is None and "json" not in ex.headers.get("content-type", ""):
-            return None, None, session  # not an API we tokenize: route by load
+            return None, None, session, None  # not an API we tokenize: route by load
         try:
             if api is None:
                 body = json.loads(raw)
@@ -300,15 +301,16 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             user = body.get("user")
             session = session or (user if isinstance(user, str) and user else None)
             if api is None:
-                return None, None, session
-            ids, forward = await self.prompts.prompt_ids(api, body, session)
+                return None, None, session, None
+            ids, forward, counted = await self.prompts.prompt_ids(api, body, session)
         except (ValueError, TypeError, KeyError) as exc:
             raise Refused(400, f"bad request: {exc}", "invalid_request_error") from exc
         except Exception as exc:  # a template the tokenizer cannot render, ...
             raise Refused(
                 400, f"cannot tokenize this request: {exc!r}", "invalid_request_error"
             ) from exc
-        return ids, (json.dumps(forward).encode() if forward is not body else None), session
+        encoded = json.dumps(forward).encode() if forward is not body else None
+        return ids, encoded, session, counted
 
     def _endpoints(self, routed: Routed) -> list[str]:
         chosen = endpoint_of(routed.backend.url)

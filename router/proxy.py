@@ -91,35 +91,66 @@ class Proxy:
         self.client = client
         self.tokenizer = tokenizer
         self._parsing = asyncio.Semaphore(PARSE_SLOTS)  # large bodies parsed at once
+        self._tokenizing: set[str] = set()  # sessions whose last turn is being tokenized
+        self._background: set[asyncio.Task[None]] = set()  # referenced until done
         self.offload = PrefillOffload(config) if config.offload else None
 
     # -- tokens ------------------------------------------------------------------------------
 
     async def prompt_ids(
         self, path: str, body: dict[str, Any], session: str | None
-    ) -> tuple[list[int] | None, dict[str, Any]]:
-        """(token ids to route by, body to forward) of a body ``parse_body`` checked."""
+    ) -> tuple[list[int] | None, dict[str, Any], int | None]:
+        """(token ids to route by, body to forward, the prompt's length in tokens) of a body
+        ``parse_body`` checked. A chat turn that extends its session's last one is routed by
+        that turn's ids and an estimated length, and tokenized after (``router.tokenize``,
+        ``route_by_last_turn``)."""
         if path == CHAT_PATH:
             if self.tokenizer is not None:
+                if session is not None and self.config.route_by_last_turn:
+                    last = self.tokenizer.last_turn_ids(body, session)
+                    if last is not None:
+                        self._tokenize_later(body, session)
+                        return last[0], body, last[1]
                 ids = await asyncio.to_thread(self.tokenizer.chat_ids, body, session)
-                return ids, body
-            return await self._remote_ids({"messages": body["messages"]}, body), body
+                return ids, body, len(ids)
+            return _counted(await self._remote_ids({"messages": body["messages"]}, body), body)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             if self.tokenizer is not None:
                 ids = await asyncio.to_thread(self.tokenizer.completion_ids, prompt)
-                return ids, {**body, "prompt": ids}  # vLLM need not tokenize again
-            return await self._remote_ids({"prompt": prompt}, body), body
+                return ids, {**body, "prompt": ids}, len(ids)  # vLLM need not tokenize again
+            return _counted(await self._remote_ids({"prompt": prompt}, body), body)
         if isinstance(prompt, list) and prompt:
             first = prompt[0]
             if isinstance(first, int):  # token ids (checked by parse_body)
-                return prompt, body
+                return prompt, body, len(prompt)
             if isinstance(first, list):  # a batch: route by its first prompt
-                return first, body
+                return first, body, len(first)
             if isinstance(first, str) and self.tokenizer is not None:
-                return await asyncio.to_thread(self.tokenizer.completion_ids, first), body
-            return None, body
+                ids = await asyncio.to_thread(self.tokenizer.completion_ids, first)
+                return ids, body, len(ids)
+            return None, body, None
         raise BadRequest("prompt: a string, a list of token ids, or a list of those is required")
+
+    def _tokenize_later(self, body: dict[str, Any], session: str) -> None:
+        """Tokenize this turn off the request's path, for the session's next turn (one at a
+        time per session: a turn arriving meanwhile routes by the older one)."""
+        if session in self._tokenizing or self.tokenizer is None:
+            return
+        self._tokenizing.add(session)
+        tokenizer = self.tokenizer
+
+        async def tokenize() -> None:
+            try:
+                await asyncio.to_thread(tokenizer.chat_ids, body, session)
+            except Exception as exc:  # routing by the older turn still works
+                log.debug("tokenizing session %s after routing: %r", session, exc)
+            finally:
+                self._tokenizing.discard(session)
+
+        task = asyncio.get_running_loop().create_task(tokenize())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _remote_ids(self, payload: dict[str, Any], body: dict[str, Any]) -> list[int] | None:
         """No local tokenizer: ask an instance's ``/tokenize`` (None if none answers)."""
@@ -164,14 +195,14 @@ class Proxy:
         try:
             body = await self._parse(raw, path)
             session = request.headers.get(self.config.session_header) or body.get("user")
-            ids, forward = await self.prompt_ids(path, body, session)
+            ids, forward, counted = await self.prompt_ids(path, body, session)
         except (ValueError, TypeError, KeyError) as exc:  # BadRequest is a ValueError
             self.metrics.rejected.labels("400").inc()
             return error(400, f"bad request: {exc}", "invalid_request_error")
         except Exception as exc:  # a template the tokenizer cannot render, ...
             self.metrics.rejected.labels("400").inc()
             return error(400, f"cannot tokenize this request: {exc!r}", "invalid_request_error")
-        prompt_tokens = len(ids) if ids is not None else max(1, len(raw) // 4)
+        prompt_tokens = counted if counted is not None else max(1, len(raw) // 4)
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS}
         if self.authenticator is not None and self.authenticator.enabled:
             headers.pop("authorization", None)  # ours, not the instance's
@@ -483,3 +514,9 @@ def build_app(proxy: Proxy) -> FastAPI:
         return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _counted(
+    ids: list[int] | None, body: dict[str, Any]
+) -> tuple[list[int] | None, dict[str, Any], int | None]:
+    return ids, body, (len(ids) if ids is not None else None)

@@ -18,11 +18,21 @@ rendering and ids per session and re-encodes only from a token boundary ``BACKOF
 before the old end, so a 100k-token conversation costs one turn's tokens, not 100k. (Chat ids
 only steer routing; completions are always encoded whole, since those ids are the prompt.)
 
+Routing by the last turn (``last_turn_ids``): even one turn's encoding, plus rendering the
+template over the whole conversation, costs milliseconds, more than the rest of a decision.
+A turn whose messages start with the session's last tokenized turn (same template arguments)
+is routed by that turn's ids, and its length estimated from the new messages' characters at
+the session's own characters per token; the proxy tokenizes the new turn after routing, off
+the request's path, for the next turn. What that can cost is a mis-scored route, never a
+wrong token (the instance tokenizes the request itself): the new turn's chunks are almost
+never held anywhere, and the load estimate is off by the estimate's error.
+
 Threading: thread-safe (the HF tokenizer is; the session cache has a lock).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,6 +47,9 @@ class _Session:
     text: str
     ids: list[int]
     ends: list[int]  # character end offset of each token
+    messages: list[Any] | None = None  # the turn's messages as sent (``last_turn_ids``)
+    template: str = ""  # its template arguments, as JSON
+    chars: int = 0  # characters of content in ``messages``
 
 
 class SessionCache:
@@ -66,6 +79,20 @@ def _text_content(content: Any) -> Any:
     if isinstance(content, list):
         return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
     return content
+
+
+def _template_args(body: dict[str, Any]) -> str:
+    """What besides the messages shapes the rendering (compared between turns)."""
+    fields = ("chat_template_kwargs", "tools", "add_generation_prompt", "continue_final_message")
+    return json.dumps([body.get(f) for f in fields], sort_keys=True, default=str)
+
+
+def _content_chars(messages: Sequence[Any]) -> int:
+    total = 0
+    for m in messages:
+        content = _text_content(m.get("content")) if isinstance(m, dict) else None
+        total += len(content) if isinstance(content, str) else 0
+    return total
 
 
 class PromptTokenizer:
@@ -107,8 +134,30 @@ class PromptTokenizer:
         entry = self._extend(cached, text) if cached is not None else None
         if entry is None:
             entry = self._encode(text)
-        self.sessions.put(session, entry)
+        entry.messages = list(body["messages"])
+        entry.template = _template_args(body)
+        entry.chars = _content_chars(entry.messages)
+        latest = self.sessions.get(session)
+        if latest is None or len(latest.messages or ()) <= len(entry.messages):
+            self.sessions.put(session, entry)  # never replaced by an older turn finishing late
         return entry.ids
+
+    def last_turn_ids(self, body: dict[str, Any], session: str) -> tuple[list[int], int] | None:
+        """(the session's last tokenized turn's ids, this turn's estimated length) when this
+        turn extends that one, else None (see the module docstring). No rendering, no encoding:
+        a comparison of the message lists."""
+        cached = self.sessions.get(session)
+        messages = body.get("messages")
+        if cached is None or cached.messages is None or not isinstance(messages, list):
+            return None
+        old = cached.messages
+        if len(messages) < len(old) or messages[: len(old)] != old or not cached.ids:
+            return None
+        if _template_args(body) != cached.template:
+            return None
+        added = _content_chars(messages[len(old) :])
+        per_token = cached.chars / len(cached.ids) if cached.chars else 4.0
+        return cached.ids, len(cached.ids) + round(added / max(per_token, 1.0))
 
     def _encode(self, text: str, base: int = 0) -> _Session:
         if self._backend is not None:

@@ -8,7 +8,10 @@ chat request the router tokenizes (incrementally, per session), keys, looks up i
 of the prompt on GPU, their nodes' stores holding more) and scores with the policy. Each
 decision is made twice, in alternating order, by the same router state: asking the index
 over gRPC ("index queried") and reading the router's replica of it, kept current from the
-index's change feed ("index replica", the default). Reported at the longest prompts, p50/p99
+index's change feed ("index replica"). The proxy's default is a third: a turn that extends
+its session's last one is routed by that turn's ids and an estimated length ("routed by the
+last turn", ``router.route_by_last_turn``), and tokenized after routing, off the request's
+path (timed here as "tokenize", not part of that decision). Reported at the longest prompts, p50/p99
 of each step and of the whole decision, beside floors measured in the same run: tokenizing
 the whole conversation from scratch, a bare index round trip, and the replica's query alone.
 
@@ -135,9 +138,13 @@ def run(
                 "index queried": RoutingCore(table, make_policy(policy), index, speculative_s=0),
                 "index replica": RoutingCore(table, make_policy(policy), replica, speculative_s=0),
             }
+            # the proxy's default (router.route_by_last_turn): routed by the last turn's ids,
+            # the new turn tokenized after routing, off the request's path
+            by_last_turn = RoutingCore(table, make_policy(policy), replica, speculative_s=0)
             steps: dict[str, list[float]] = {"tokenize": []}
             for mode in cores:
                 steps[f"route, {mode}"], steps[f"decision, {mode}"] = [], []
+            steps["decision, index replica, routed by the last turn"] = []
             floors: dict[str, list[float]] = {
                 "tokenize_whole": [],
                 "index_round_trip": [],
@@ -151,7 +158,12 @@ def run(
                         messages.append({"role": "user", "content": _text(rng, turn_tokens)})
                         body = {"messages": messages}
                         start = time.perf_counter()
-                        ids = tokenizer.chat_ids(body, f"s{s}")
+                        last = tokenizer.last_turn_ids(body, f"s{s}")
+                        if last is not None:
+                            by_last_turn.route(last[0], last[1], f"s{s}")
+                        t_last = time.perf_counter() - start
+                        start = time.perf_counter()
+                        ids = tokenizer.chat_ids(body, f"s{s}")  # (after routing, in the proxy)
                         t_tok = time.perf_counter() - start
                         if len(ids) > max_tokens:
                             bar.update(1)
@@ -166,6 +178,10 @@ def run(
                             t_route[mode] = time.perf_counter() - start
                         if len(ids) >= tail_tokens:
                             steps["tokenize"].append(t_tok)
+                            if last is not None:
+                                steps["decision, index replica, routed by the last turn"].append(
+                                    t_last
+                                )
                             for mode, seconds in t_route.items():
                                 steps[f"route, {mode}"].append(seconds)
                                 steps[f"decision, {mode}"].append(t_tok + seconds)

@@ -147,6 +147,12 @@ class RouterConfig(Section):
         "= ask each request's instance (/tokenize), slower",
     )
     session_header: str = Field("x-session-id", description="request header naming a session")
+    route_by_last_turn: bool = Field(
+        True,
+        description="a chat turn that extends its session's last tokenized turn is routed by "
+        "that turn's token ids and an estimated length, and tokenized after routing (off the "
+        "request's path); false: tokenize every turn before routing",
+    )
     refresh_s: float = Field(2.0, gt=0, description="re-read backends from the index this often")
     scrape_s: float = Field(1.0, gt=0, description="scrape each instance's /metrics this often")
     probe_s: float = Field(5.0, gt=0, description="active health probe (a 1-token completion)")
