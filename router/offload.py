@@ -9,8 +9,9 @@ node's pool, and the index hears of them; then the router forwards the original 
 home, whose connector loads the chunks as a node-DRAM hit (the helper on its node) or a remote
 hit (another node's pool), and decodes there, beside the session's other turns.
 
-The gate is the cost model the ``kvtier`` policy scores with, in recompute-equivalent tokens
-(``TierCosts``: what a tier's load costs against computing the same tokens):
+The gate (``policies.OffloadGate``, shared with ``kvtier trace simulate``) is the cost model
+the ``kvtier`` policy scores with, in recompute-equivalent tokens (``TierCosts``: what a
+tier's load costs against computing the same tokens):
 
 - here:    home's pending prefill + what home must compute of the prompt;
 - offload: max(helper's pending prefill + what the helper must compute, home's pending
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from kvtier.core.config.router import RouterConfig
 from kvtier.router.backends import Backend
 from kvtier.router.core import Routed
-from kvtier.router.policies import Candidate, TierCosts
+from kvtier.router.policies import OffloadGate, TierCosts
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class PrefillOffload:
     def __init__(self, config: RouterConfig, costs: TierCosts | None = None) -> None:
         self.config = config
         self.costs = costs or TierCosts()
+        self.gate = OffloadGate(self.costs, config.offload_min_tokens, config.offload_margin)
         self._in_flight = 0
         self._lock = threading.Lock()
         self.offloaded = self.declined = 0
@@ -57,35 +59,27 @@ class PrefillOffload:
         tokens = routed.prompt_tokens
         by_name = {c.name: c for c in routed.candidates}
         home = by_name.get(routed.backend.name)
-        if home is None or tokens < self.config.offload_min_tokens:
+        if home is None:
             return None
-        home_computes = self.costs.uncached(home.coverage, tokens)
-        if home_computes < self.config.offload_min_tokens:
-            return None  # home holds most of it: nothing heavy to move
-        here = home.load.pending_prefill_tokens + home_computes
+        home_pending = home.load.pending_prefill_tokens
+        here = self.gate.here(home.coverage, home_pending, tokens)
+        if here is None:
+            return None
         best: Offload | None = None
         for backend in backends:
             helper = by_name.get(backend.name)
             if helper is None or backend is routed.backend:
                 continue
-            cost = self._through(home, helper, backend, routed.backend, tokens)
+            node = routed.backend.node
+            cost = self.gate.through(
+                home.coverage, home_pending, helper.coverage,
+                helper.load.pending_prefill_tokens, bool(node) and node == backend.node, tokens,
+            )  # fmt: skip
             if best is None or cost < best.offload_tokens:
                 best = Offload(backend, here, cost)
-        if best is None or best.offload_tokens > here * (1 - self.config.offload_margin):
+        if best is None or not self.gate.worth(here, best.offload_tokens):
             return None
         return best
-
-    def _through(
-        self, home: Candidate, helper: Candidate, helper_backend: Backend, home_backend: Backend,
-        tokens: int,
-    ) -> float:  # fmt: skip
-        costs = self.costs
-        computed = helper.load.pending_prefill_tokens + costs.uncached(helper.coverage, tokens)
-        same_node = bool(home_backend.node) and home_backend.node == helper_backend.node
-        tier = "dram" if same_node else "remote"
-        lacking = max(0, tokens - home.coverage.gpu)
-        load = lacking * (1 - costs.kappa(tier, tokens))
-        return max(computed, home.load.pending_prefill_tokens) + load
 
     def begin(self) -> bool:
         """Take an offload slot; False when ``offload_max_concurrent`` are in flight."""

@@ -142,6 +142,45 @@ class TierCosts:
         )
 
 
+@dataclass(frozen=True)
+class OffloadGate:
+    """Selective prefill offload's cost model (``router/offload.py``; the simulator's
+    ``ClusterSpec.offload``), in recompute-equivalent tokens (``TierCosts``):
+
+    - here:    home's pending prefill + what home must compute of the prompt;
+    - through a helper: max(helper's pending prefill + what the helper must compute, home's
+      pending prefill: the request still waits its turn there) + loading, at home, what home
+      lacks from the tier the helper's chunks land in (DRAM on its node, remote otherwise).
+
+    Offload when the prompt is heavy (home computes at least ``min_tokens``) and the helper is
+    cheaper by ``margin``."""
+
+    costs: TierCosts
+    min_tokens: int = 8192
+    margin: float = 0.2
+
+    def here(self, home: Coverage, home_pending: float, tokens: int) -> float | None:
+        """Home's cost, or None when the prompt is not heavy enough to consider moving."""
+        if tokens < self.min_tokens:
+            return None
+        computes = self.costs.uncached(home, tokens)
+        if computes < self.min_tokens:
+            return None  # home holds most of it: nothing heavy to move
+        return home_pending + computes
+
+    def through(
+        self, home: Coverage, home_pending: float, helper: Coverage, helper_pending: float,
+        same_node: bool, tokens: int,
+    ) -> float:  # fmt: skip
+        computed = helper_pending + self.costs.uncached(helper, tokens)
+        tier = "dram" if same_node else "remote"
+        lacking = max(0, tokens - home.gpu)
+        return max(computed, home_pending) + lacking * (1 - self.costs.kappa(tier, tokens))
+
+    def worth(self, here: float, through: float) -> bool:
+        return through <= here * (1 - self.margin)
+
+
 class Policy(abc.ABC):
     name: str
 

@@ -48,6 +48,7 @@ class FleetSpec:
     # kvtier=False: a node -> the kv-transfer-config of a peer connector (LMCache's per node)
     peer_transfer: Callable[[str], dict] | None = None
     vllm_env: dict[str, str] = field(default_factory=dict)  # added to every engine's env
+    router_env: dict[str, str] = field(default_factory=dict)  # e.g. KVTIER_ROUTER__OFFLOAD
 
 
 @dataclass
@@ -137,7 +138,7 @@ class Fleet:
         ]  # fmt: skip
         for inst in self.instances if static else []:
             router_args += ["--backend", inst.url]
-        self.router = _start(router_args)
+        self.router = _start(router_args, env=spec.router_env or None)
         say(f"router    {self.router_url} ({spec.policy})")
 
     def _socket(self, node: str) -> Path:

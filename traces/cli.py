@@ -157,6 +157,18 @@ def simulate_cmd(
         ),
     ] = 0.5,
     remote: Annotated[bool, typer.Option(help="other nodes' pools as a remote tier")] = True,
+    offload: Annotated[
+        str,
+        typer.Option(
+            help="selective prefill offload, the router's gate: off | on | off,on (sweeps)"
+        ),
+    ] = "off",
+    offload_min_tokens: Annotated[
+        int, typer.Option(help="offload: only prompts whose uncached tokens reach this")
+    ] = 8192,
+    offload_max_concurrent: Annotated[
+        int, typer.Option(help="offload: offloaded prefills in flight, cluster-wide")
+    ] = 2,
     prefill_tokens_per_s: Annotated[float, typer.Option(help="time model: prefill rate")] = 10000.0,
     decode_ms_per_token: Annotated[float, typer.Option(help="time model: decode step")] = 20.0,
     fmt: FormatOpt = TraceFormat.AUTO,
@@ -203,7 +215,13 @@ def simulate_cmd(
             block_tokens=block_tokens,
             prefill_tokens_per_s=prefill_tokens_per_s,
             decode_ms_per_token=decode_ms_per_token,
+            offload_min_tokens=offload_min_tokens,
+            offload_max_concurrent=offload_max_concurrent,
         )
+        switches = {"off": False, "on": True}
+        offloads = [switches.get(o) for o in _strs(offload)]
+        if None in offloads:
+            raise ValueError(f"offload: off, on or off,on, not {offload!r}")
         routings = _strs(routing)
         unknown = [r for r in routings if r not in POLICIES]
         if unknown:
@@ -211,7 +229,12 @@ def simulate_cmd(
                 f"unknown routing policy {unknown[0]!r}; choose from {', '.join(POLICIES)}"
             )
         specs = sweep_specs(
-            base, _ints(gpu_blocks), _ints(dram_blocks), routings, _strs(dram_policy)
+            base,
+            _ints(gpu_blocks),
+            _ints(dram_blocks),
+            routings,
+            _strs(dram_policy),
+            [o for o in offloads if o is not None],
         )
         if jobs > 1:
             reports = simulate_file(trace, specs, fmt, block_tokens, jobs, replication)

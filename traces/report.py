@@ -117,8 +117,9 @@ def print_simulation(reports: list[dict[str, Any]]) -> None:
     for r in reports:
         spec = r["spec"]
         hr = r["hit_ratio_blocks"]
+        offloaded = f" + offload ({r.get('offloads', 0):,})" if spec.get("offload") else ""
         t.add_row(
-            spec["routing"],
+            spec["routing"] + offloaded,
             spec["dram_policy"],
             f"{spec['gpu_blocks']:,}",
             f"{spec['dram_blocks']:,}",

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.router.policies import Policy, make_policy
+from kvtier.router.policies import Coverage, OffloadGate, Policy, TierCosts, make_policy
 from kvtier.traces.formats import (
     DEFAULT_BLOCK_TOKENS,
     TraceFormat,
@@ -72,6 +72,13 @@ class ClusterSpec:
     decode_ms_per_token: float = 20.0
     dram_load_us_per_token: float = 2.5  # ~ reference: CPU hit minus GPU hit at 64k tokens
     remote_load_us_per_token: float = 13.0  # ~ reference: RDMA hit minus GPU hit at 64k tokens
+    # selective prefill offload (router.offload): the router's gate, among the
+    # ``offload_helpers`` least loaded instances, at most ``offload_max_concurrent`` at once
+    offload: bool = False
+    offload_min_tokens: int = 8192
+    offload_margin: float = 0.2
+    offload_max_concurrent: int = 2
+    offload_helpers: int = 16
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.instances_per_node < 1:
@@ -129,6 +136,13 @@ class ClusterSim:
         self.ttft_s: list[float] = []
         self.requests = 0
         self.decisions: Counter[str] = Counter()  # routing decisions by reason
+        self.gate = (
+            OffloadGate(TierCosts(), spec.offload_min_tokens, spec.offload_margin)
+            if spec.offload
+            else None
+        )
+        self._offloads_until: list[float] = []  # helpers' prefill ends, in flight (a heap)
+        self.offloads = 0
 
     # -- ClusterView (routing.py) --------------------------------------------------------
 
@@ -211,6 +225,9 @@ class ClusterSim:
         decision = self.router.choose(self, ids, req.input_length, session, now)
         self.decisions[decision.reason] += 1
         i = decision.index
+        helper = self._helper(i, ids, req.input_length, now) if self.gate is not None else None
+        if helper is not None:
+            return self._offloaded(req, i, helper, now)
         inst = self.instances[i]
         pool = self.pools[inst.node]
         n = len(ids)
@@ -245,6 +262,100 @@ class ClusterSim:
         self.requests += 1
         return i, counts
 
+    def _helper(self, home: int, ids: Sequence[int], tokens: int, now: float) -> int | None:
+        """The instance to prefill on instead of ``home`` (the router's ``OffloadGate``), or
+        None. Helpers are looked for among the ``offload_helpers`` least loaded instances (the
+        router weighs every instance; a helper's pending prefill dominates its cost)."""
+        gate, spec = self.gate, self.spec
+        assert gate is not None
+        running = self._offloads_until
+        while running and running[0] <= now:
+            heapq.heappop(running)
+        if len(running) >= spec.offload_max_concurrent or spec.instances < 2:
+            return None
+        bt = spec.block_tokens
+        gpu, dram, remote = self.tier_run_arrays(ids)
+        pending, _ = self.load_arrays(now)
+
+        def coverage(j: int) -> Coverage:
+            g = min(int(gpu[j]) * bt, tokens)
+            d = min(g + int(dram[j]) * bt, tokens)
+            return Coverage(g, d, min(d + int(remote[j]) * bt, tokens))
+
+        home_cov = coverage(home)
+        here = gate.here(home_cov, float(pending[home]), tokens)
+        if here is None:
+            return None
+        k = min(spec.offload_helpers + 1, spec.instances)
+        nearest = np.argpartition(pending, k - 1)[:k] if k < spec.instances else range(k)
+        best, best_cost = None, float("inf")
+        for j in (int(x) for x in nearest):
+            if j == home:
+                continue
+            same = self.instances[j].node == self.instances[home].node
+            cost = gate.through(
+                home_cov, float(pending[home]), coverage(j), float(pending[j]), same, tokens
+            )
+            if cost < best_cost:
+                best, best_cost = j, cost
+        if best is None or not gate.worth(here, best_cost):
+            return None
+        return best
+
+    def _offloaded(
+        self, req: TraceRequest, home: int, helper: int, now: float
+    ) -> tuple[int, tuple[int, int, int, int]]:
+        """The helper prefills the prompt (one output token) and its chunks land in its node's
+        pool; then home loads from there what its GPU lacks (DRAM on the same node, remote
+        otherwise) and decodes. Tiers are counted where the prompt was computed."""
+        spec, bt, ids, n = self.spec, self.spec.block_tokens, req.hash_ids, len(req.hash_ids)
+        h, inst = self.instances[helper], self.instances[home]
+        pool = self.pools[h.node]
+        g = h.gpu.lookup(ids)
+        d = pool.lookup(ids, g)
+        r = self._remote_run(h.node, ids, g + d)
+        counts = (g, d, r, n - g - d - r)
+        self._gpu_holders.update(helper, *h.gpu.store(ids))
+        self._pool_holders.update(h.node, *pool.store(ids, g))
+        remaining = req.input_length
+        for tier, blocks in zip(TIERS, counts, strict=True):
+            self.blocks[tier] += blocks
+            tokens = min(blocks * bt, remaining)
+            remaining -= tokens
+            self.tokens[tier] += tokens
+        miss_tokens = max(req.input_length - min((g + d + r) * bt, req.input_length), 0)
+        load_s = (
+            min(d * bt, req.input_length) * spec.dram_load_us_per_token
+            + min(r * bt, req.input_length) * spec.remote_load_us_per_token
+        ) / 1e6
+        start = max(now, float(self._prefill_free_at[helper]))
+        helper_done = start + load_s + miss_tokens / spec.prefill_tokens_per_s
+        self._prefill_free_at[helper] = helper_done
+        heapq.heappush(self._finishing, (helper_done, helper))
+        self._running[helper] += 1
+        heapq.heappush(self._offloads_until, helper_done)
+        h.miss_tokens += miss_tokens
+        # home: its own GPU run, the rest from the helper's node pool
+        home_g = inst.gpu.lookup(ids)
+        per_token = (
+            spec.dram_load_us_per_token if h.node == inst.node else spec.remote_load_us_per_token
+        )
+        moved = max(req.input_length - min(home_g * bt, req.input_length), 0)
+        self._gpu_holders.update(home, *inst.gpu.store(ids))
+        self._pool_holders.update(inst.node, *self.pools[inst.node].store(ids, home_g))
+        start = max(helper_done, float(self._prefill_free_at[home]))
+        done = start + moved * per_token / 1e6
+        self._prefill_free_at[home] = done
+        finish = done + req.output_length * spec.decode_ms_per_token / 1e3
+        heapq.heappush(self._finishing, (finish, home))
+        self._running[home] += 1
+        inst.requests += 1
+        self.ttft_s.append(done - now)
+        self.requests += 1
+        self.offloads += 1
+        self.decisions["offloaded"] += 1
+        return home, counts
+
     def report(self) -> dict[str, Any]:
         total_blocks = sum(self.blocks.values())
         total_tokens = sum(self.tokens.values())
@@ -263,6 +374,7 @@ class ClusterSim:
                 "requests_per_instance": [int(x) for x in per_req],
             },
             "routing_decisions": dict(self.decisions.most_common()),
+            "offloads": self.offloads,
             "modelled_ttft_s": {f"p{q}": float(np.percentile(ttft, q)) for q in (50, 90, 99)},
             "evictions": {
                 "gpu": sum(inst.gpu.evictions for inst in self.instances),
@@ -355,8 +467,23 @@ def sweep_specs(
     dram_blocks: Sequence[int] = (),
     routings: Sequence[str] = (),
     dram_policies: Sequence[str] = (),
+    offloads: Sequence[bool] = (),
 ) -> list[ClusterSpec]:
     """The cross product of the given axes around ``base`` (an empty axis keeps base's value)."""
+    out = []
+    for offload in offloads or [base.offload]:
+        spec = replace(base, offload=offload)
+        out += _sweep(spec, gpu_blocks, dram_blocks, routings, dram_policies)
+    return out
+
+
+def _sweep(
+    base: ClusterSpec,
+    gpu_blocks: Sequence[int],
+    dram_blocks: Sequence[int],
+    routings: Sequence[str],
+    dram_policies: Sequence[str],
+) -> list[ClusterSpec]:
     out = []
     for policy in dram_policies or [base.dram_policy]:
         for routing in routings or [base.routing]:

@@ -86,6 +86,7 @@ class ClusterConfig:
     policy: str
     kv_events: bool  # engines publish KV events (the index follows them)
     peer: str = ""  # "lmcache": LMCache's server per node and its connector
+    offload: bool = False  # the router's selective prefill offload (router.offload)
 
 
 CONFIGS: dict[str, ClusterConfig] = {
@@ -95,6 +96,9 @@ CONFIGS: dict[str, ClusterConfig] = {
         ClusterConfig("vllm-lmetric", "vLLM + lmetric", False, "lmetric", True),
         ClusterConfig("kvtier-hybrid", "kvtier + hybrid", True, "hybrid", True),
         ClusterConfig("kvtier-kvtier", "kvtier + kvtier", True, "kvtier", True),
+        ClusterConfig(
+            "kvtier-offload", "kvtier + kvtier + offload", True, "kvtier", True, offload=True
+        ),
         ClusterConfig("lmcache-lmetric", "LMCache + lmetric", False, "lmetric", True, "lmcache"),
     )
 }
@@ -225,6 +229,13 @@ def fleet_spec(cfg: ClusterConfig, topo: Topology) -> FleetSpec:
         kv_cache_bytes=topo.kv_cache_bytes,
         max_model_len=topo.max_model_len,
         connector_extra={"min_hit_tokens": dict(topo.min_hit_tokens)} if cfg.kvtier else {},
+        # heavy: a quarter of the longest prompt uncached (the bench's prompts are short)
+        router_env={
+            "KVTIER_ROUTER__OFFLOAD": "true",
+            "KVTIER_ROUTER__OFFLOAD_MIN_TOKENS": str(max(topo.max_model_len // 4, 1)),
+        }
+        if cfg.offload
+        else {},
     )
 
 
@@ -330,9 +341,10 @@ def wiring(cfg: ClusterConfig) -> str:
             "events (index serve --vllm); router lmetric finds them through the index"
         )
     if cfg.kvtier:
+        offload = ", selective prefill offload on" if cfg.offload else ""
         return (
             "kvtier connector + node store per node (remote tier on); the connector announces "
-            f"each engine and its KV events to the index; router {cfg.policy}"
+            f"each engine and its KV events to the index; router {cfg.policy}{offload}"
         )
     if cfg.kv_events:
         return (

@@ -270,3 +270,45 @@ def test_dram_credit_weighs_dram_hits_in_routing(credit: float, where: int) -> N
     assert sim.step(a, 0)[0] == 0  # a tie: the first instance; it is busy prefilling now
     # With credit, b follows its prefix into node 0's DRAM; without, the idle instance wins.
     assert sim.step(b, 0)[0] == where
+
+
+def _heavy_burst(n: int, tail_blocks: int) -> list[TraceRequest]:
+    """One session's prefix (10 blocks), then ``n`` requests extending it with new blocks,
+    all within a few ms: cache affinity sends them all to the prefix's instance."""
+    first = TraceRequest(timestamp=0, input_length=10 * 512, output_length=1, hash_ids=[*range(10)])
+    return [first] + [
+        TraceRequest(
+            timestamp=1000 + i,
+            input_length=(10 + tail_blocks) * 512,
+            output_length=10,
+            hash_ids=[*range(10), *range(100 * (i + 1), 100 * (i + 1) + tail_blocks)],
+        )
+        for i in range(n)
+    ]
+
+
+def test_offload_moves_heavy_prefills_off_a_busy_home() -> None:
+    """The router's gate in the simulator: heavy prompts queued behind each other at the
+    prefix's instance prefill on the idle one instead (at most ``offload_max_concurrent`` at
+    a time), which lowers the modelled TTFT; every block is still counted once; light prompts
+    never move."""
+    base = ClusterSpec(instances=2, instances_per_node=2, gpu_blocks=1000, dram_blocks=1000,
+                       routing="cache-aware")  # fmt: skip
+    trace = _heavy_burst(6, tail_blocks=20)
+    off, on = simulate(trace, sweep_specs(base, offloads=[False, True]), derive_sessions=False)
+    assert off["offloads"] == 0 and "offloaded" not in off["routing_decisions"]
+    assert 1 <= on["offloads"] <= base.offload_max_concurrent
+    assert on["routing_decisions"]["offloaded"] == on["offloads"]
+    assert on["modelled_ttft_s"]["p90"] < off["modelled_ttft_s"]["p90"]
+    blocks = sum(len(r.hash_ids) for r in trace)
+    for report in (off, on):
+        total = report["requests"]
+        assert total == len(trace)
+        assert sum(report["hit_ratio_blocks"].values()) == pytest.approx(1.0)
+    sim = ClusterSim(ClusterSpec(**{**base.__dict__, "offload": True}))
+    served = [sim.step(r, 0)[1] for r in trace]
+    assert sum(sum(c) for c in served) == blocks
+    light = ClusterSim(ClusterSpec(**{**base.__dict__, "offload": True}))
+    for r in _heavy_burst(6, tail_blocks=4):  # 2k new tokens each: under offload_min_tokens
+        light.step(r, 0)
+    assert light.offloads == 0
