@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
@@ -100,12 +101,18 @@ class RedisClusterIndex(ChunkIndex):
         if not 1 <= shards <= 1024:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"shards must be 1..1024, not {shards}")
         self.url, self.prefix = url, prefix
-        self._cluster = RedisCluster.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            decode_responses=False,
-        )
+        try:  # redis-py learns the slot map here: the cluster must answer at start
+            self._cluster = RedisCluster.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                decode_responses=False,
+            )
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+            raise KvtierError(
+                ErrorCode.UNAVAILABLE,
+                f"redis cluster {url}: no slot map at start ({exc}); give a node that answers",
+            ) from None
         self._shards: list[RedisIndex] = []
         for i, tag in enumerate(shard_tags(shards)):
             shard_prefix = f"{prefix}{{{tag}}}:"
