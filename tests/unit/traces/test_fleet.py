@@ -78,6 +78,7 @@ class ReferenceSim:
         self.tokens = dict.fromkeys(TIERS, 0)
         self.ttft_s: list[float] = []
         self.requests = 0
+        self.offloads = 0  # the reference has no offload (specs here leave it off)
         self.decisions: Counter[str] = Counter()
 
     def tier_runs(self, ids: Sequence[int]) -> list[tuple[int, int, int]]:
