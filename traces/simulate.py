@@ -228,6 +228,23 @@ class ClusterSim:
         helper = self._helper(i, ids, req.input_length, now) if self.gate is not None else None
         if helper is not None:
             return self._offloaded(req, i, helper, now)
+        counts, done = self._compute(req, i, now)
+        finish = done + req.output_length * spec.decode_ms_per_token / 1e3
+        heapq.heappush(self._finishing, (finish, i))
+        self._running[i] += 1
+        self.instances[i].requests += 1
+        self.ttft_s.append(done - now)
+        self.requests += 1
+        return i, counts
+
+    def _compute(
+        self, req: TraceRequest, i: int, now: float
+    ) -> tuple[tuple[int, int, int, int], float]:
+        """Instance ``i`` prefills ``req``: its GPU run, then its node's pool, then other
+        nodes' pools, computing the rest; its caches store the prompt, the tiers are counted,
+        and its prefill queue takes the work. Returns (blocks per tier, when the prefill is
+        done)."""
+        spec, ids = self.spec, req.hash_ids
         inst = self.instances[i]
         pool = self.pools[inst.node]
         n = len(ids)
@@ -253,14 +270,8 @@ class ClusterSim:
         start = max(now, float(self._prefill_free_at[i]))
         done = start + load_s + miss_tokens / spec.prefill_tokens_per_s
         self._prefill_free_at[i] = done
-        finish = done + req.output_length * spec.decode_ms_per_token / 1e3
-        heapq.heappush(self._finishing, (finish, i))
-        self._running[i] += 1
-        inst.requests += 1
         inst.miss_tokens += miss_tokens
-        self.ttft_s.append(done - now)
-        self.requests += 1
-        return i, counts
+        return counts, done
 
     def _helper(self, home: int, ids: Sequence[int], tokens: int, now: float) -> int | None:
         """The instance to prefill on instead of ``home`` (the router's ``OffloadGate``), or
@@ -308,33 +319,12 @@ class ClusterSim:
         """The helper prefills the prompt (one output token) and its chunks land in its node's
         pool; then home loads from there what its GPU lacks (DRAM on the same node, remote
         otherwise) and decodes. Tiers are counted where the prompt was computed."""
-        spec, bt, ids, n = self.spec, self.spec.block_tokens, req.hash_ids, len(req.hash_ids)
+        spec, bt, ids = self.spec, self.spec.block_tokens, req.hash_ids
         h, inst = self.instances[helper], self.instances[home]
-        pool = self.pools[h.node]
-        g = h.gpu.lookup(ids)
-        d = pool.lookup(ids, g)
-        r = self._remote_run(h.node, ids, g + d)
-        counts = (g, d, r, n - g - d - r)
-        self._gpu_holders.update(helper, *h.gpu.store(ids))
-        self._pool_holders.update(h.node, *pool.store(ids, g))
-        remaining = req.input_length
-        for tier, blocks in zip(TIERS, counts, strict=True):
-            self.blocks[tier] += blocks
-            tokens = min(blocks * bt, remaining)
-            remaining -= tokens
-            self.tokens[tier] += tokens
-        miss_tokens = max(req.input_length - min((g + d + r) * bt, req.input_length), 0)
-        load_s = (
-            min(d * bt, req.input_length) * spec.dram_load_us_per_token
-            + min(r * bt, req.input_length) * spec.remote_load_us_per_token
-        ) / 1e6
-        start = max(now, float(self._prefill_free_at[helper]))
-        helper_done = start + load_s + miss_tokens / spec.prefill_tokens_per_s
-        self._prefill_free_at[helper] = helper_done
+        counts, helper_done = self._compute(req, helper, now)  # one output token: no decode
         heapq.heappush(self._finishing, (helper_done, helper))
         self._running[helper] += 1
         heapq.heappush(self._offloads_until, helper_done)
-        h.miss_tokens += miss_tokens
         # home: its own GPU run, the rest from the helper's node pool
         home_g = inst.gpu.lookup(ids)
         per_token = (
