@@ -382,6 +382,14 @@ def resolve_keys(query: Query, namespaces: Mapping[bytes, Namespace | None]) -> 
         raise KvtierError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
 
+def check_seq_range(seq_from: int, seq_to: int) -> None:
+    """A batch's sequence range: none (``seq_to`` 0) or 1-based ``seq_from..seq_to``."""
+    if seq_to and (seq_from <= 0 or seq_from > seq_to):
+        raise KvtierError(
+            ErrorCode.INVALID_ARGUMENT, f"bad sequence range {seq_from}..{seq_to} (1-based)"
+        )
+
+
 def check_cursor(
     status: LocationStatus, cursor: Cursor, epoch: int, seq_from: int, seq_to: int
 ) -> ApplyStatus | None:
@@ -390,10 +398,7 @@ def check_cursor(
         return ApplyStatus.RESYNC
     if seq_to == 0:
         return None
-    if seq_from <= 0 or seq_from > seq_to:
-        raise KvtierError(
-            ErrorCode.INVALID_ARGUMENT, f"bad sequence range {seq_from}..{seq_to} (1-based)"
-        )
+    check_seq_range(seq_from, seq_to)
     if epoch != cursor.epoch or cursor.epoch == 0:
         return ApplyStatus.RESYNC
     if seq_to <= cursor.seq:

@@ -53,6 +53,7 @@ from kvtier.index.api import (
     check_holdings,
     check_ops,
     check_registration,
+    check_seq_range,
     order_holdings,
     resolve_keys,
     too_many_namespaces,
@@ -380,10 +381,7 @@ class RedisIndex(ChunkIndex):
         seq_to: int = 0,
     ) -> ApplyStatus:
         self._check_known(lambda: check_ops(ops, self._known_ns(ops)))
-        if seq_to and (seq_from <= 0 or seq_from > seq_to):
-            raise KvtierError(
-                ErrorCode.INVALID_ARGUMENT, f"bad sequence range {seq_from}..{seq_to} (1-based)"
-            )
+        check_seq_range(seq_from, seq_to)
         args: list[Any] = [self._p, str(epoch), seq_from, seq_to, repr(self._clock())]
         for op in ops:
             tier = -1 if op.tier is None else TIER_INDEX[op.tier]

@@ -62,6 +62,7 @@ from kvtier.index.api import (
     Registration,
     check_holdings,
     check_ops,
+    check_seq_range,
 )
 from kvtier.index.backends.redis import RedisIndex
 from kvtier.index.backends.redis_shard import ShardClient, shard_tags
@@ -244,10 +245,7 @@ class RedisClusterIndex(ChunkIndex):
     ) -> ApplyStatus:
         known = {op.ns_id: None for op in ops if op.ns_id and self.namespace(op.ns_id)[0]}
         check_ops(ops, known)  # a bad batch reaches no shard
-        if seq_to and (seq_from <= 0 or seq_from > seq_to):
-            raise KvtierError(
-                ErrorCode.INVALID_ARGUMENT, f"bad sequence range {seq_from}..{seq_to} (1-based)"
-            )
+        check_seq_range(seq_from, seq_to)
         shares = self._by_shard(ops)
         resets = self.backend_resets().resets
         with self._lock:
