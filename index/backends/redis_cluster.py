@@ -115,7 +115,8 @@ class RedisClusterIndex(ChunkIndex):
                 f"redis cluster {url}: no slot map at start ({exc}); give a node that answers",
             ) from None
         self._shards: list[RedisIndex] = []
-        for i, tag in enumerate(shard_tags(shards)):
+        tags = shard_tags(shards)
+        for i, tag in enumerate(tags):
             shard_prefix = f"{prefix}{{{tag}}}:"
             self._shards.append(
                 RedisIndex(
@@ -128,7 +129,7 @@ class RedisClusterIndex(ChunkIndex):
                     shard=ShardClient(self._cluster, key_slot(shard_prefix.encode())),
                 )
             )
-        self._layout_key = f"{prefix}{{{shard_tags(shards)[0]}}}:shards".encode()
+        self._layout_key = f"{prefix}{{{tags[0]}}}:shards".encode()
         self._layout_checked = False
         self._lock = threading.Lock()
         self._taken: dict[str, _Taken] = {}
