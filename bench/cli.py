@@ -176,9 +176,13 @@ def bench_remote(
 def bench_tier_latency(
     lengths: Annotated[str, typer.Option(help="prefix lengths (tokens)")] = "2048,4096,8192",
     reps: Annotated[int, typer.Option(help="prompts per length")] = 5,
-    configs: Annotated[str, typer.Option(help="kvtier, baseline (no connector), peers")] = (
-        "kvtier,baseline"
-    ),
+    configs: Annotated[
+        str,
+        typer.Option(
+            help="kvtier, kvtier-disk (its disk tier), kvtier-remote, baseline (no connector), "
+            "peers (lmcache, vllm-offload)"
+        ),
+    ] = "kvtier,baseline",
     model: Annotated[str | None, typer.Option(help="model dir (default: a random preset)")] = None,
     preset: Annotated[str, typer.Option(help="random model preset")] = "cpu-bench",
     suffix: Annotated[
@@ -192,6 +196,13 @@ def bench_tier_latency(
     out: Annotated[Path, typer.Option(help="folder for JSON and PNG")] = Path(
         "results/tier-latency"
     ),
+    kappa_out: Annotated[
+        Path | None,
+        typer.Option(
+            help="also write the measured kappa table (share of a recompute each tier saves, "
+            "by length) here: router.kappa_file and connector.kappa_file read it"
+        ),
+    ] = None,
 ) -> None:
     """TTFT of miss / GPU hit / DRAM hit (and peers) by prefix length, tiers verified."""
     from kvtier.bench.engine import tier_latency
@@ -210,6 +221,13 @@ def bench_tier_latency(
     (out / "tier-latency.json").write_text(json.dumps(tier_latency.to_json(report), indent=2))
     tier_latency.plot(report, out / "tier-latency.png")
     typer.echo(f"wrote {out}/tier-latency.json and tier-latency.png")
+    if kappa_out is not None:
+        table = tier_latency.kappa_table(report)
+        kappa_out.parent.mkdir(parents=True, exist_ok=True)
+        kappa_out.write_text(
+            json.dumps({t: {str(n): k for n, k in pts.items()} for t, pts in table.items()})
+        )
+        typer.echo(f"wrote {kappa_out}: kappa for {', '.join(table) or 'no tier'}")
 
 
 @bench_app.command("connector-overhead")

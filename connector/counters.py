@@ -59,6 +59,9 @@ class C:
     # loads
     CPU_HIT_TOKENS = Counter("cpu_hit_tokens", "Tokens loaded from the node DRAM pool")
     REMOTE_HIT_TOKENS = Counter("remote_hit_tokens", "Tokens loaded from another node's pool")
+    DISK_HIT_TOKENS = Counter(
+        "disk_hit_tokens", "Tokens loaded from this node's disk (staged into its pool)"
+    )
     LOADED_CHUNKS = Counter("loaded_chunks", "Chunks copied into vLLM's KV")
     LOADED_BYTES = Counter("loaded_bytes", "Bytes copied into vLLM's KV")
     LOAD_SECONDS = Counter("load_seconds", "Seconds spent copying loads", internal=True)
@@ -114,6 +117,15 @@ class C:
         "Chunks not committed: computed in a step over blocks whose load failed",
     )
     SAVE_ERRORS = Counter("save_errors", "Saves that failed (allocation, copy or commit)")
+    # the disk tier
+    DISK_STAGED_CHUNKS = Counter("disk_staged_chunks", "Chunks staged from this node's disk")
+    DISK_STAGED_BYTES = Counter("disk_staged_bytes", "Bytes staged from this node's disk")
+    DISK_STAGE_SECONDS = Counter("disk_stage_seconds", "Time spent staging from disk")
+    DISK_STAGE_ERRORS = Counter("disk_stage_errors", "Stages from disk that raised")
+    DISK_STAGE_SHORT = Counter(
+        "disk_stage_short",
+        "Stages cut short by a bad or unreadable file, a full pool or the deadline",
+    )
     # the remote tier
     REMOTE_PULLED_CHUNKS = Counter(
         "remote_pulled_chunks", "Chunks pulled from other nodes' stores into this node's"
@@ -170,7 +182,11 @@ class C:
 ALL: tuple[Counter, ...] = tuple(v for v in vars(C).values() if isinstance(v, Counter))
 BY_NAME: dict[str, Counter] = {c.name: c for c in ALL}
 
-HIT_TOKENS: dict[str, Counter] = {"cpu": C.CPU_HIT_TOKENS, "remote": C.REMOTE_HIT_TOKENS}
+HIT_TOKENS: dict[str, Counter] = {
+    "cpu": C.CPU_HIT_TOKENS,
+    "disk": C.DISK_HIT_TOKENS,
+    "remote": C.REMOTE_HIT_TOKENS,
+}
 
 SAVE_STATUS: dict[AllocStatus, Counter] = {
     AllocStatus.ALLOCATED: C.SAVE_ALLOCATED,
@@ -195,8 +211,9 @@ def fetch_status_counter(status: FetchStatus) -> Counter | None:
 
 
 def stage_counters(tier: str, result: StageResult) -> list[tuple[Counter, float]]:
-    """What one staging attempt adds to the counters (the remote tier's; others have none
-    yet)."""
+    """What one staging attempt adds to the counters."""
+    if tier == "disk":
+        return _disk_counters(result)
     if tier != "remote":
         return []
     out: list[tuple[Counter, float]] = []
@@ -221,6 +238,24 @@ def stage_counters(tier: str, result: StageResult) -> list[tuple[Counter, float]
             out.append((short, 1))
         if result.detail == FetchStatus.HOLDER_MISS.value:
             out.append((C.REMOTE_INDEX_REPAIRS, 1))
+    return out
+
+
+def _disk_counters(result: StageResult) -> list[tuple[Counter, float]]:
+    out: list[tuple[Counter, float]] = []
+    if result.chunks:
+        out.append((C.DISK_STAGED_CHUNKS, result.chunks))
+    if result.bytes:
+        out.append((C.DISK_STAGED_BYTES, result.bytes))
+    if result.seconds:
+        out.append((C.DISK_STAGE_SECONDS, result.seconds))
+    if result.detail == "error":
+        out.append((C.DISK_STAGE_ERRORS, 1))
+    elif result.detail and result.detail not in (
+        FetchStatus.OK.value,
+        FetchStatus.HOLDER_MISS.value,
+    ):
+        out.append((C.DISK_STAGE_SHORT, 1))
     return out
 
 

@@ -199,14 +199,20 @@ class RoutingCore:
                 continue
             chunk = self.chunk_tokens(b.namespace)
             runs = by_ns.get(b.namespace)
-            gpu, dram, remote = runs.of(b) if runs is not None else (0, 0, 0)
+            gpu, dram, remote, disk = runs.of(b) if runs is not None else (0, 0, 0, 0)
             keys = keys_of.get(b.namespace)
             if keys:
                 gpu = max(gpu, self.speculative.leading(keys, b.name))
-            dram, remote = max(dram, gpu), max(remote, dram, gpu)
+            # the node's disk counts past its DRAM run (a chunk in both is a DRAM hit)
+            dram = max(dram, gpu)
+            disk = disk if disk > dram else 0
+            remote = max(remote, dram, disk)
             n = len(token_ids)
             out[b.name] = Coverage(
-                min(gpu * chunk, n), min(dram * chunk, n), min(remote * chunk, n)
+                min(gpu * chunk, n),
+                min(dram * chunk, n),
+                min(remote * chunk, n),
+                min(disk * chunk, n),
             )
         return out, keys_of
 
@@ -280,6 +286,7 @@ class RoutingCore:
                     "gpu": c.coverage.gpu,
                     "dram": c.coverage.dram,
                     "remote": c.coverage.remote,
+                    "disk": c.coverage.disk,
                     "pending": c.load.pending_prefill_tokens,
                     "running": c.load.running,
                 }
@@ -315,10 +322,10 @@ class _Runs:
         )
         self.top_nodes = nodes[:2]
 
-    def of(self, backend: Backend) -> tuple[int, int, int]:
-        """(GPU run of the instance, DRAM run on its node, best DRAM run on another node) in
-        chunks."""
-        gpu = dram = remote = 0
+    def of(self, backend: Backend) -> tuple[int, int, int, int]:
+        """(GPU run of the instance, DRAM run on its node, best DRAM run on another node, run
+        on its node's disk) in chunks."""
+        gpu = dram = remote = disk = 0
         own = self.by_location.get(backend.name)
         if own is not None and own.kind is not LocationKind.NODE:
             gpu = own.runs.get(Tier.GPU, 0)
@@ -327,11 +334,12 @@ class _Runs:
             node = self.by_location.get(backend.node)
             if node is not None and node.kind is LocationKind.NODE:
                 dram = max(dram, node.runs.get(Tier.CPU, 0))
+                disk = node.runs.get(Tier.DISK, 0)
         for run, location in self.top_nodes:
             if not backend.node or location != backend.node:  # a store's name: its node
                 remote = run
                 break
-        return gpu, dram, remote
+        return gpu, dram, remote, disk
 
 
 def _hostport(url: str) -> str:

@@ -35,27 +35,34 @@ session table.
 from __future__ import annotations
 
 import abc
-import bisect
 import hashlib
-import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kvtier.core.costs import KappaTable
 
 
 @dataclass(frozen=True)
 class Coverage:
     """Leading tokens of the prompt an instance can read without recomputing, cumulative:
     ``gpu`` from its own GPU cache, ``dram`` from that or its node's DRAM pool (>= gpu),
-    ``remote`` from those or any other node's pool (>= dram)."""
+    ``disk`` from those or its node's disk (0: none beyond DRAM), ``remote`` from those or any
+    other node's pool (>= dram and >= disk)."""
 
     gpu: int = 0
     dram: int = 0
     remote: int = 0
+    disk: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.gpu <= self.dram <= self.remote:
+        if not 0 <= self.gpu <= self.dram <= self.remote or self.disk > self.remote:
             raise ValueError(f"coverage must be cumulative: {self}")
+
+    @property
+    def node_disk(self) -> int:
+        """Leading tokens readable from this node (GPU, DRAM or disk)."""
+        return max(self.dram, self.disk)
 
 
 @dataclass(frozen=True)
@@ -93,51 +100,21 @@ class Decision:
     scores: tuple[float, ...] = ()  # per candidate, lower is better (policy's own unit)
 
 
-# kappa: the share of a recompute a tier saves, (t_miss - t_tier) / (t_miss - t_gpu), by
-# prompt length. Defaults: the reference tier latencies (../shared/docs/router-anchors.md);
-# `kvtier bench tier-latency --kappa-out` measures them on the deployment's hardware.
-DEFAULT_KAPPA: Mapping[str, Mapping[int, float]] = {
-    "dram": {1024: 0.58, 8192: 0.96, 32768: 0.98},
-    "remote": {1024: 0.47, 8192: 0.82, 32768: 0.87},
-}
-
-
-class TierCosts:
-    """kappa per tier, interpolated in log(length) between measured points and held flat
-    beyond them; a tier slower than recompute has kappa 0 (never negative)."""
-
-    def __init__(self, kappa: Mapping[str, Mapping[int, float]] | None = None) -> None:
-        table = kappa if kappa is not None else DEFAULT_KAPPA
-        self._points: dict[str, tuple[list[float], list[float]]] = {}
-        for tier, points in table.items():
-            lengths = sorted(points)
-            if not lengths or lengths[0] <= 0:
-                raise ValueError(f"kappa[{tier}]: lengths must be positive")
-            values = [min(1.0, max(0.0, points[n])) for n in lengths]
-            self._points[tier] = ([math.log(n) for n in lengths], values)
-
-    def kappa(self, tier: str, tokens: int) -> float:
-        points = self._points.get(tier)
-        if points is None:
-            return 0.0
-        xs, ys = points
-        x = math.log(max(tokens, 1))
-        i = bisect.bisect_left(xs, x)
-        if i == 0:
-            return ys[0]
-        if i == len(xs):
-            return ys[-1]
-        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + t * (ys[i] - ys[i - 1])
+class TierCosts(KappaTable):
+    """kappa per tier and length (``kvtier.core.costs``), applied to a candidate's coverage."""
 
     def uncached(self, coverage: Coverage, tokens: int) -> float:
-        """Recompute-equivalent tokens the instance must spend on this prompt."""
+        """Recompute-equivalent tokens the instance must spend on this prompt: each tier's
+        share of the prefix at (1 - kappa) of a recompute (disk at 0 saving unless measured:
+        ``kvtier bench tier-latency --kappa-out``)."""
         gpu = min(coverage.gpu, tokens)
         dram = min(coverage.dram, tokens)
+        disk = min(coverage.node_disk, tokens)
         remote = min(coverage.remote, tokens)
         return (
             (dram - gpu) * (1 - self.kappa("dram", tokens))
-            + (remote - dram) * (1 - self.kappa("remote", tokens))
+            + (disk - dram) * (1 - self.kappa("disk", tokens))
+            + (remote - disk) * (1 - self.kappa("remote", tokens))
             + (tokens - remote)
         )
 

@@ -45,13 +45,8 @@ log = logging.getLogger(__name__)
 
 
 def load_costs(config: RouterConfig) -> TierCosts:
-    """kappa from ``router.kappa_file`` ({"dram": {"1024": 0.6, ...}, "remote": {...}})."""
-    if config.kappa_file is None:
-        return TierCosts()
-    table = json.loads(config.kappa_file.read_text())
-    return TierCosts(
-        {tier: {int(n): float(k) for n, k in pts.items()} for tier, pts in table.items()}
-    )
+    """kappa from ``router.kappa_file`` (``kvtier bench tier-latency --kappa-out``)."""
+    return TierCosts.from_file(config.kappa_file)
 
 
 def make_router_policy(config: RouterConfig) -> Policy:

@@ -56,6 +56,7 @@ from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Sn
 from kvtier.store.client.control import socket_path
 from kvtier.store.client.shm import SHM_DIR, SharedSegment, checksum_views
 from kvtier.store.client.view import ChunkViewWriter, follow_events, view_bytes_for
+from kvtier.store.disk.backend import DiskBackend
 from kvtier.store.pool.watchdog import start_watchdog, stop_watchdog
 from kvtier.store.state.core import StoreCore
 from kvtier.store.state.limits import StoreLimits
@@ -151,6 +152,17 @@ class NodeStore(StoreClient, StoreAdmin):
                 self.segment.unlink()
                 self._release_lock()
                 raise
+        self.disk: DiskBackend | None = None
+        if config.disk.enabled:
+            try:
+                self.disk = DiskBackend(self.core, self.segment, config.disk)
+            except BaseException:
+                if self.remote is not None:
+                    self.remote.close()
+                self.segment.close()
+                self.segment.unlink()
+                self._release_lock()
+                raise
         self.transfer_address = self.remote.address if self.remote else ""
         self.control_socket = ""  # set by the service serving one (store.server.control)
         self._closed = threading.Event()
@@ -242,16 +254,25 @@ class NodeStore(StoreClient, StoreAdmin):
         return self.core.delete(ns_id, keys)
 
     def clear(self) -> int:
+        if self.disk is not None:
+            self.disk.clear()  # the CLEARED event core.clear logs covers the disk too
         return self.core.clear()
 
     def stats(self) -> dict[str, int | float | str]:
         stats = self.core.stats()
         if self.remote is not None:
             stats.update(self.remote.stats())
+        if self.disk is not None:
+            stats.update(self.disk.stats())
         return stats
 
     def snapshot(self) -> Snapshot:
-        return self.core.snapshot()
+        snap = self.core.snapshot()
+        if self.disk is not None:
+            # read after the pool's: a disk change is in the catalog before its event is
+            # logged, so everything up to ``snap.seq`` is in what is read here
+            snap.disk_chunks.update(self.disk.catalog.held())
+        return snap
 
     def read_events(
         self, from_seq: int, max_batches: int = 256, timeout: float | None = None
@@ -284,6 +305,12 @@ class NodeStore(StoreClient, StoreAdmin):
     ) -> FetchResult:
         self.core.limits.check_batch(len(keys))
         return self._remote_tier().fetcher.fetch(ns_id, keys, holder, timeout_s)
+
+    def stage_from_disk(self, ns_id: bytes, keys: Sequence[bytes], timeout_s: float) -> FetchResult:
+        self.core.limits.check_batch(len(keys))
+        if self.disk is None:
+            raise disk_tier_off(self.config.node_id)
+        return self.disk.stage(ns_id, keys, timeout_s)
 
     def start_remote(self, grpc_address: str) -> None:
         """Called once the store serves gRPC at ``grpc_address`` (what peers fetch from)."""
@@ -345,6 +372,8 @@ class NodeStore(StoreClient, StoreAdmin):
                 self._view.retire()
         if self.remote is not None:
             self.remote.close()  # before the pool is unmapped: peers must not read it after
+        if self.disk is not None:
+            self.disk.close()  # before the pool is unmapped: its threads read and write it
         self.segment.close()
         self.segment.unlink()
         self._release_lock()
@@ -355,6 +384,12 @@ class NodeStore(StoreClient, StoreAdmin):
         with contextlib.suppress(FileNotFoundError):
             self._lock_path.unlink()
         os.close(self._lock_fd)
+
+
+def disk_tier_off(node_id: str) -> KvtierError:
+    return KvtierError(
+        ErrorCode.UNAVAILABLE, f"store {node_id} runs without the disk tier (store.disk.enabled)"
+    )
 
 
 def remote_tier_off(node_id: str) -> KvtierError:

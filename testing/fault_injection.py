@@ -21,6 +21,9 @@ turns every fault off. Kinds:
 
 These touch the connector's internals on purpose (a fault nothing else can produce on
 demand); everything else in a drill is the real engine, store and sockets.
+
+``damage_files`` (the driver's ``damage_files`` phase) damages the disk tier's chunk files
+between requests, as a failing disk or a stray writer would: no hook, real files.
 """
 
 from __future__ import annotations
@@ -108,6 +111,34 @@ def _fire(connector: Any, request: Any, phase: dict) -> None:
         _break_next_copy()
     else:
         raise ValueError(f"unknown fault {kind!r}")
+
+
+def damage_files(directory: Path, every: int = 1, how: str = "flip") -> int:
+    """Damage every ``every``-th chunk file under the disk tier's ``directory`` (sorted by
+    path): ``flip`` the last data byte, ``truncate`` the last 100 bytes, or ``header``
+    (flip a byte of the header). Returns how many were damaged."""
+    files = sorted(
+        p
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != ".lock" and ".tmp-" not in p.name
+    )
+    damaged = 0
+    for path in files[::every]:
+        try:
+            if how == "truncate":
+                os.truncate(path, max(0, path.stat().st_size - 100))
+            else:
+                with path.open("r+b") as f:
+                    f.seek(
+                        -1 if how == "flip" else 20, os.SEEK_END if how == "flip" else os.SEEK_SET
+                    )
+                    byte = f.read(1)
+                    f.seek(-1, os.SEEK_CUR)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+            damaged += 1
+        except FileNotFoundError:  # evicted from the disk meanwhile
+            continue
+    return damaged
 
 
 def _restart_store(connector: Any, phase: dict) -> None:

@@ -25,6 +25,8 @@ spec = {"model": path, "kv_transfer_config": {...} | None, "block_size": 32, ...
     {"op": "fault", "kind": ..., ...}  fault injection (``fault_injection.py``): fired right
                                      after a lookup, before its load, once or "every" time
     {"op": "disarm"}                 every fault off
+    {"op": "damage_files", "dir": d, "every": n, "how": "flip"}  damage the disk tier's chunk
+                                     files (``fault_injection.damage_files``); returns how many
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from kvtier.testing.fault_injection import arm as arm_fault
+from kvtier.testing.fault_injection import damage_files, scheduler_connector
 from kvtier.testing.fault_injection import disarm as disarm_faults
-from kvtier.testing.fault_injection import scheduler_connector
 from kvtier.testing.services import store_leases
 
 RESULT_PREFIX = "KVTIER-RESULT "
@@ -322,6 +325,9 @@ def main(spec: dict) -> list[Any]:
             elif op == "sleep":
                 time.sleep(phase["seconds"])
                 results.append(None)
+            elif op == "damage_files":
+                how = phase.get("how", "flip")
+                results.append(damage_files(Path(phase["dir"]), phase.get("every", 1), how))
             elif op == "connector_timing":
                 if timer is None:
                     timer = _ConnectorTimer(llm)

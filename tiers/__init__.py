@@ -54,8 +54,9 @@ class Tiers:
 
 
 def open_tiers(config: KvtierConfig, lazy: bool = True) -> Tiers:
-    """The tiers ``config.connector.tiers`` names ("cpu" always comes first: every load reads
-    the node pool; "remote" stages other nodes' chunks into it through the index)."""
+    """The tiers ``config.connector.tiers`` names, staging tiers in the order listed ("cpu"
+    always comes first: every load reads the node pool; "disk" stages the node's disk into
+    it; "remote" stages other nodes' chunks into it through the index)."""
     connector = config.connector
     auth = ClientAuth.from_config(config.auth)
     pool = connect(
@@ -66,10 +67,19 @@ def open_tiers(config: KvtierConfig, lazy: bool = True) -> Tiers:
         auth=auth,
     )
     tiers = Tiers(pool)
-    if "remote" in connector.tiers:
-        from kvtier.index.client import connect as connect_index
-        from kvtier.tiers.remote import RemoteTier
+    for name in connector.tiers:
+        if name == "disk":
+            from kvtier.core.costs import KappaTable
+            from kvtier.tiers.disk import DiskTier
 
-        index = connect_index(config.index, auth)
-        tiers.staging.append(RemoteTier(index, pool, connector.remote_fetch_timeout_s))
+            costs = KappaTable.from_file(connector.kappa_file) if connector.kappa_file else None
+            tiers.staging.append(
+                DiskTier(pool, connector.disk_timeout_s, costs, connector.chunk_tokens)
+            )
+        elif name == "remote":
+            from kvtier.index.client import connect as connect_index
+            from kvtier.tiers.remote import RemoteTier
+
+            index = connect_index(config.index, auth)
+            tiers.staging.append(RemoteTier(index, pool, connector.remote_fetch_timeout_s))
     return tiers

@@ -152,6 +152,12 @@ class PoolTier(abc.ABC):
         when the store runs without the remote tier."""
 
     @abc.abstractmethod
+    def stage_from_disk(self, ns_id: bytes, keys: Sequence[bytes], timeout_s: float) -> FetchResult:
+        """Stage a leading run of ``keys`` from the node's disk into this pool (committed,
+        not leased): how the disk tier stages (``tiers/disk.py``). UNAVAILABLE when the store
+        runs without the disk tier."""
+
+    @abc.abstractmethod
     def clear(self) -> int:
         """Remove every chunk: only the pool of an ``embedded`` store (PERMISSION_DENIED for
         a shared one, which its operator clears)."""

@@ -221,6 +221,9 @@ class CpuTier(PoolBytes):
     ) -> FetchResult:
         return self._retrying(lambda: self.store.fetch(ns_id, keys, holder, timeout_s))
 
+    def stage_from_disk(self, ns_id: bytes, keys: Sequence[bytes], timeout_s: float) -> FetchResult:
+        return self._retrying(lambda: self.store.stage_from_disk(ns_id, keys, timeout_s))
+
     def _retrying(self, call: Callable[[], T]) -> T:
         """Run a call that carries no lease; after a store restart (STALE_EPOCH) re-attach
         once and run it again. Calls on leases (commit, abort, release, renew) never retry:

@@ -1,6 +1,6 @@
 """Time to first token by where a reused prefix is found: miss, GPU, DRAM (kvtier), peers.
 
-    kvtier bench tier-latency [--lengths 2048,4096,8192] [--reps 5] [--peers lmcache]
+    kvtier bench tier-latency [--lengths 2048,4096,8192] [--reps 5] [--configs kvtier,kvtier-disk]
 
 For each prefix length L and repetition, a fresh random prompt of L tokens is sent to a fresh
 vLLM instance (CPU build, random model of the ``cpu-bench`` preset unless ``--model``):
@@ -12,6 +12,8 @@ device / host / p2p); a request that landed in another tier than intended is rep
 left out of the figures, never averaged in. The same prompts go through a vLLM without any
 connector (the miss baseline: what kvtier's saving costs) and through each peer (LMCache) in
 their own processes. Floor: a memcpy of the same KV bytes, measured in this run.
+``kvtier-disk`` (``_run_disk``) adds 4. disk: a prompt evicted from a small DRAM pool, staged
+from the node store's disk tier, beside the filesystem's own write and read of the same bytes.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Report:
     # a peer that does not run this model: its error, as the report says it
     failures: dict[str, str] = field(default_factory=dict)
     moved_bytes_per_token: int = 0  # what a DRAM hit loaded per token (the engine's counters)
+    # kvtier-disk: L -> (seconds to write, to read) one file of that prompt's KV bytes
+    disk_floors: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def p(self, config: str, tier: str, length: int, q: float) -> float | None:
         xs = sorted(
@@ -75,9 +79,12 @@ class Report:
 def _verify(tier: str, length: int, cached: dict[str, float]) -> bool:
     """Did the request land in the tier we meant? (from vLLM's per-source counters)"""
     device, host, p2p = (cached.get(k, 0.0) for k in ("device", "host", "p2p"))
+    disk = cached.get("disk", 0.0)
     mostly = 0.9 * length
     if tier == "miss":
-        return device == host == p2p == 0
+        return device == host == p2p == disk == 0
+    if tier == "disk":
+        return disk >= mostly and device < 0.1 * length and host < 0.1 * length
     if tier == "gpu":  # all from vLLM's own cache (a peer topping it up is another tier)
         return device >= mostly and host == p2p == cached.get("external_unspecified", 0.0) == 0
     if tier == "dram":  # LMCache labels its hits external_unspecified, kvtier as host
@@ -101,7 +108,7 @@ def _suffixes(length: int, vocab: int, seed: int) -> dict[str, list[int]]:
     rng = random.Random(seed + 7)
     return {
         tier: [rng.randrange(4, vocab) for _ in range(length)]
-        for tier in ("miss", "gpu", "dram", "remote")
+        for tier in ("miss", "gpu", "dram", "remote", "disk")
     }
 
 
@@ -259,6 +266,101 @@ def _run_remote(
         b.stop()
 
 
+def _run_disk(
+    report: Report,
+    prompts: dict,
+    warmup: list[int],
+    suffixes: dict[str, list[int]],
+    spec_base: dict,
+    tmp: Path,
+    pool_bytes: int,
+    progress: Callable[[str], None],
+) -> None:
+    """A node store with the disk tier (write-through, every file fsynced) and a pool that
+    holds about one prompt of the longest length: each prompt is computed (saved to the pool
+    and copied to disk) and hit on the GPU; then every prompt is sent again after vLLM's cache
+    is reset, most of them long evicted from DRAM: staged from disk into the pool and loaded.
+    A prompt still in DRAM lands there, is seen in vLLM's counters and left out."""
+    from kvtier.testing.services import start_store
+
+    run_dir, disk = tmp / "disk-run", tmp / "disk"
+    env = {
+        "KVTIER_STORE__DISK__ENABLED": "true",
+        "KVTIER_STORE__DISK__PATH": str(disk),
+        "KVTIER_STORE__DISK__WRITE_THROUGH": "true",
+        "KVTIER_STORE__DISK__INTERVAL_S": "0.05",
+        "KVTIER_STORE__DISK__CAPACITY": "64GiB",
+        "KVTIER_STORE__MAX_BATCH_FRACTION": "1",  # a small pool: one prompt's saves fill it
+    }
+    store = start_store(run_dir, str(pool_bytes), "node-disk", remote=False, env=env)
+    try:
+        extra = {
+            "store_address": store.address,
+            "tiers": ["cpu", "disk"],
+            "disk_timeout_s": 60.0,
+            "lookup_deadline_s": 90.0,  # a stage is given its whole timeout
+            "min_hit_tokens": {"cpu": 256, "disk": 256},
+        }
+        warm = {"op": "generate", "prompts": [warmup], "max_tokens": 1}
+        phases: list[dict] = [warm, warm]
+        labels: list[tuple[str, int] | None] = [None, None]
+        for (length, _), prompt in prompts.items():
+            for tier in ("miss", "gpu"):
+                request = prompt + suffixes[tier]
+                phases.append({"op": "generate", "prompts": [request], "max_tokens": 1})
+                labels.append((tier, length))
+            # every chunk on disk before the next prompt's saves evict it from DRAM
+            phases += [{"op": "settle"}, {"op": "sleep", "seconds": 0.5}]
+            labels += [None, None]
+        for (length, _), prompt in prompts.items():
+            phases.append({"op": "reset_prefix_cache"})
+            phases.append(
+                {"op": "generate", "prompts": [prompt + suffixes["disk"]], "max_tokens": 1}
+            )
+            labels += [None, ("disk", length)]
+        phases.append({"op": "metrics"})
+        labels.append(None)
+        spec = {**spec_base, "phases": phases, "kv_transfer_config": kvtier_transfer_config(extra)}
+        progress(f"kvtier-disk: {len(prompts)} prompts x miss, gpu, then disk")
+        results = run_vllm(spec, vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir)), timeout=7200)
+        _collect(report, "kvtier-disk", results, labels)
+        report.disk_floors = disk_floors(disk, report)
+    finally:
+        store.stop()
+
+
+def disk_floors(directory: Path, report: Report) -> dict[int, tuple[float, float]]:
+    """Per length: seconds to write (fsynced) and to read back (page cache dropped first) one
+    file of that prompt's KV bytes on the disk tier's filesystem, best of 3: the floor a
+    disk hit's staging is compared with."""
+    import os
+
+    per_token = report.moved_bytes_per_token or report.kv_bytes_per_token
+    out: dict[int, tuple[float, float]] = {}
+    path = directory / "floor.bin"
+    for length in report.lengths:
+        data = np.random.default_rng(length).integers(0, 256, length * per_token, np.uint8)
+        buf = page_aligned_empty(data.nbytes)
+        best_w = best_r = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.write(fd, data.data)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+            best_w = min(best_w, time.perf_counter() - start)
+            start = time.perf_counter()
+            fd = os.open(path, os.O_RDONLY)
+            os.preadv(fd, [buf.data], 0)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+            best_r = min(best_r, time.perf_counter() - start)
+        out[length] = (best_w, best_r)
+    path.unlink(missing_ok=True)
+    return out
+
+
 CONFIGS: dict[str, tuple[ConfigSetup, list[str]]] = {
     "kvtier": (_kvtier, ["miss", "gpu", "dram"]),
     # the cost of checksumming every load (verify_loads), measured against not doing it
@@ -311,6 +413,18 @@ def run(
                     "max_num_batched_tokens": 4096,
                 }
                 _run_remote(report, prompts, warmup, suffix_tokens, spec_base, tmp_path, progress)
+                continue
+            if name == "kvtier-disk":
+                spec_base = {
+                    "model": model_dir,
+                    "max_model_len": max_len,
+                    "kv_cache_bytes": 3 * max_len * kv_per_token + (64 << 20),
+                    "max_num_batched_tokens": 4096,
+                }
+                pool = max_len * kv_per_token  # fp32-sized: about two bf16 prompts
+                _run_disk(
+                    report, prompts, warmup, suffix_tokens, spec_base, tmp_path, pool, progress
+                )
                 continue
             setup, tiers = CONFIGS[name]
             progress(f"{name}: {len(prompts)} prompts x {tiers} in a fresh vLLM instance")
@@ -372,7 +486,7 @@ def summary_rows(report: Report) -> list[dict[str, Any]]:
     configs = sorted({s.config for s in report.samples})
     for length in report.lengths:
         for config in configs:
-            for tier in ("miss", "gpu", "dram", "remote"):
+            for tier in ("miss", "gpu", "dram", "remote", "disk"):
                 p50 = report.p(config, tier, length, 50)
                 if p50 is None:
                     continue
@@ -460,6 +574,31 @@ def print_report(report: Report) -> None:
             _ratio(dram, peer),
         )
     out.print(table)
+    if report.disk_floors:
+        table = Table(
+            title="kvtier-disk: a disk hit's TTFT beside a miss and a DRAM hit (p50), and the "
+            "filesystem's floor for the same bytes (write fsynced, read with the page cache "
+            "dropped; best of 3)"
+        )
+        for col in ("prefix", "miss ms", "dram ms", "disk ms", "disk/miss", "write ms",
+                    "read ms", "read GB/s"):  # fmt: skip
+            table.add_column(col, justify="right")
+        per_token = report.moved_bytes_per_token or report.kv_bytes_per_token
+        for length in report.lengths:
+            write, read = report.disk_floors.get(length, (0.0, 0.0))
+            disk_hit = report.p("kvtier-disk", "disk", length, 50)
+            miss = report.p("kvtier-disk", "miss", length, 50)
+            table.add_row(
+                f"{length:,}",
+                _ms(miss),
+                _ms(report.p("kvtier", "dram", length, 50)),
+                _ms(disk_hit),
+                _ratio(disk_hit, miss),
+                f"{write * 1e3:.1f}",
+                f"{read * 1e3:.1f}",
+                f"{length * per_token / read / 1e9:.2f}" if read else "-",
+            )
+        out.print(table)
     for name, error in report.failures.items():
         out.print(f"[yellow]{name} does not run this model: {error}")
     for sample in report.rejected():
@@ -467,6 +606,31 @@ def print_report(report: Report) -> None:
             f"[yellow]left out: {sample.config} {sample.tier} at {sample.length} "
             f"landed elsewhere: {sample.cached_by_source}"
         )
+
+
+# where each tier's kappa is measured: (config, tier) of the hit, beside that config's miss and
+# GPU hit (each run has its own; the remote run's node A misses nothing, so node B's kvtier run)
+KAPPA_SOURCES = {
+    "dram": ("kvtier", "dram", "kvtier"),
+    "remote": ("kvtier-remote", "remote", "kvtier"),
+    "disk": ("kvtier-disk", "disk", "kvtier-disk"),
+}
+
+
+def kappa_table(report: Report) -> dict[str, dict[int, float]]:
+    """kappa per tier and length: the share of a recompute a hit in that tier saves,
+    (miss - tier) / (miss - gpu) from p50s of this run (clamped to [0, 1]: a tier slower than
+    recompute saves nothing). What ``router.kappa_file`` and ``connector.kappa_file`` read."""
+    out: dict[str, dict[int, float]] = {}
+    for name, (config, tier, base) in KAPPA_SOURCES.items():
+        for length in report.lengths:
+            hit = report.p(config, tier, length, 50)
+            miss = report.p(base, "miss", length, 50)
+            gpu = report.p(base, "gpu", length, 50)
+            if hit is None or miss is None or gpu is None or miss <= gpu:
+                continue
+            out.setdefault(name, {})[length] = min(1.0, max(0.0, (miss - hit) / (miss - gpu)))
+    return out
 
 
 def _ms(x: float | None) -> str:
@@ -485,7 +649,7 @@ def plot(report: Report, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for config in sorted({s.config for s in report.samples}):
-        for tier in ("miss", "gpu", "dram", "remote"):
+        for tier in ("miss", "gpu", "dram", "remote", "disk"):
             points = [(L, report.p(config, tier, L, 50)) for L in report.lengths]
             points = [(L, v) for L, v in points if v is not None]
             if points:
@@ -513,6 +677,9 @@ def to_json(report: Report) -> dict:
         "moved_bytes_per_token": report.moved_bytes_per_token,
         "suffix": report.suffix,
         "floors_s": {str(k): v for k, v in report.floors.items()},
+        "disk_floors_s": {
+            str(k): {"write": w, "read": r} for k, (w, r) in report.disk_floors.items()
+        },
         "failures": report.failures,
         "summary": summary_rows(report),
         "samples": [s.__dict__ for s in report.samples],

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.faults.disk_drills import DISK_DRILLS
 from kvtier.bench.faults.run import (
     DrillContext,
     DrillResult,
@@ -533,4 +534,5 @@ DRILLS: dict[str, tuple[str, Callable[[DrillContext], DrillResult]]] = {
         "every page of the pool held by another client's uncommitted writes",
         pool_full_pinned,
     ),
+    **DISK_DRILLS,
 }

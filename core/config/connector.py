@@ -4,6 +4,7 @@ this section's flags (see ``kvtier.connector.config``). The store and index it t
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -12,7 +13,7 @@ from kvtier.core.config.section import Renamed, Section
 
 SavePolicy = Literal["none", "prompt", "prompt_and_output"]
 LoadMode = Literal["async", "sync"]
-TierName = Literal["cpu", "remote"]
+TierName = Literal["cpu", "disk", "remote"]
 
 
 class ConnectorConfig(Section):
@@ -48,7 +49,8 @@ class ConnectorConfig(Section):
     tiers: list[TierName] = Field(
         default_factory=lambda: list[TierName](["cpu"]),
         description="where loads read from, in order: cpu (this node's DRAM pool, always "
-        "first) and remote (other nodes' pools, found through index.address)",
+        "first), disk (this node's disk, the store's store.disk) and remote (other nodes' "
+        "pools, found through index.address)",
     )
     save: SavePolicy = Field(
         "prompt_and_output",
@@ -138,6 +140,16 @@ class ConnectorConfig(Section):
     remote_fetch_timeout_s: float = Field(
         2.0, gt=0, description="a pull from another node's store ends by then (else recompute)"
     )
+    disk_timeout_s: float = Field(
+        1.0,
+        gt=0,
+        description="a stage from this node's disk leaves files not started by then to recompute",
+    )
+    kappa_file: Path | None = Field(
+        None,
+        description="per-length cost table measured by kvtier bench tier-latency --kappa-out: "
+        "a disk run whose length it prices at no saving over a recompute is not staged",
+    )
     verify_loads: bool = Field(
         True,
         description="check each loaded chunk's checksum before vLLM uses it (an XXH3 pass over "
@@ -155,5 +167,10 @@ class ConnectorConfig(Section):
             raise ValueError(
                 "lookup_deadline_s must exceed remote_fetch_timeout_s (a pull would always be "
                 "given up before it could finish)"
+            )
+        if "disk" in self.tiers and self.lookup_deadline_s < self.disk_timeout_s:
+            raise ValueError(
+                "lookup_deadline_s must exceed disk_timeout_s (a stage would always be given "
+                "up before it could finish)"
             )
         return self

@@ -1,5 +1,5 @@
-"""``[store]``: the node store, its DRAM pool (``[store.pool]``) and its remote tier
-(``[store.remote]``).
+"""``[store]``: the node store, its DRAM pool (``[store.pool]``), its remote tier
+(``[store.remote]``) and its local disk tier (``[store.disk]``).
 
 Every knob the Mooncake transfer engine reads from ``MC_*`` environment variables is a field
 of ``RemoteConfig``; ``kvtier.store.remote.mooncake`` writes them into the environment just
@@ -127,6 +127,49 @@ class RemoteConfig(Section):
                 f"remote.metadata {meta!r}: use P2PHANDSHAKE, http://host:port/path or "
                 "etcd://host:port"
             )
+        return self
+
+
+class DiskConfig(Section):
+    """The node's local disk tier: cold chunks of the DRAM pool copied to files before
+    eviction takes them, staged back into the pool on a hit (docs/disk.md)."""
+
+    enabled: bool = Field(False, description="keep a copy of cold chunks on local disk")
+    path: Path | None = Field(
+        None,
+        description="directory of the chunk files (created 0700; survives store restarts, so "
+        "put it on the NVMe, not under run_dir's tmpfs)",
+    )
+    capacity: ByteSize = Field(
+        ByteSize(16 << 30), description="bytes of chunk files kept (least recently used go)"
+    )
+    high_watermark: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="copy the pool's coldest chunks to disk while it is fuller than this "
+        "(what eviction takes next is then already on disk)",
+    )
+    write_through: bool = Field(
+        False,
+        description="copy every committed chunk to disk, whatever the pool's fill (a restart "
+        "then finds the whole pool on disk; costs a write per chunk stored)",
+    )
+    interval_s: float = Field(0.2, gt=0, description="how often the pool's fill is checked")
+    max_batch_bytes: ByteSize = Field(
+        ByteSize(64 << 20), description="at most this much written per round"
+    )
+    read_threads: int = Field(4, ge=1, le=64, description="files read at once by one stage")
+    fsync: bool = Field(
+        True,
+        description="fsync each chunk file before it is visible (a chunk then survives a "
+        "power loss, not only a store crash); off only for disposable benchmarks",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DiskConfig:
+        if self.enabled and self.path is None:
+            raise ValueError("store.disk.enabled needs store.disk.path")
         return self
 
 
@@ -300,3 +343,15 @@ class StoreConfig(Section):
     )
     pool: PoolConfig = Field(default_factory=PoolConfig)
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    disk: DiskConfig = Field(default_factory=DiskConfig)
+
+    @model_validator(mode="after")
+    def _disk_holds_the_pool(self) -> StoreConfig:
+        if self.disk.enabled and self.disk.capacity < self.pool.capacity:
+            # A disk that drops chunks the pool still holds would have them copied again at
+            # the next round, and again: the spill thread would churn.
+            raise ValueError(
+                f"store.disk.capacity ({self.disk.capacity.human_readable()}) must be at least "
+                f"store.pool.capacity ({self.pool.capacity.human_readable()})"
+            )
+        return self

@@ -222,9 +222,12 @@ class StoreFollower(Follower):
                 return
         resets = self.index.backend_resets().resets  # before: a reset during this is owed again
         snap = self._store_call(self._client.snapshot)
-        self._register(list(snap.chunks))
-        chunks = {ns: keys for ns, keys in snap.chunks.items() if ns not in self.refused_ns}
-        self.index.replace(self._node, {Tier.CPU: chunks}, epoch=self._epoch, seq=snap.seq)
+        self._register(list(dict.fromkeys([*snap.chunks, *snap.disk_chunks])))
+        tiers = {
+            tier: {ns: keys for ns, keys in held.items() if ns not in self.refused_ns}
+            for tier, held in ((Tier.CPU, snap.chunks), (Tier.DISK, snap.disk_chunks))
+        }
+        self.index.replace(self._node, tiers, epoch=self._epoch, seq=snap.seq)
         self._next = snap.seq + 1
         self._synced = True
         self.resynced_for = resets

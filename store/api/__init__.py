@@ -220,6 +220,14 @@ class StoreClient(StoreHandle):
         store without the remote tier answers UNAVAILABLE."""
         raise KvtierError(ErrorCode.UNAVAILABLE, f"{type(self).__name__} has no remote tier")
 
+    def stage_from_disk(self, ns_id: bytes, keys: Sequence[bytes], timeout_s: float) -> FetchResult:
+        """Stage the leading run of ``keys`` this node's disk holds into the pool: read, each
+        checksum verified, committed (``kvtier.store.disk``). A file that fails is dropped
+        and ends the run; ``FetchResult.status`` says why (HOLDER_MISS: not on disk). Files
+        not started within ``timeout_s`` are left. A store without the disk tier answers
+        UNAVAILABLE."""
+        raise KvtierError(ErrorCode.UNAVAILABLE, f"{type(self).__name__} has no disk tier")
+
 
 class StoreAdmin(StoreHandle):
     """The operators', the index's and peer stores' surface of one node store: clearing it,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.core.chunks import ChunkLocation, LookupStatus
 
@@ -47,6 +47,7 @@ class AllocateResult:
 class Snapshot:
     seq: int  # events up to and including seq are reflected; read on from seq + 1
     chunks: dict[bytes, list[bytes]]  # namespace id -> committed keys
+    disk_chunks: dict[bytes, list[bytes]] = field(default_factory=dict)  # on the node's disk
 
 
 @dataclass(frozen=True, slots=True)

@@ -450,6 +450,16 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         wait = (timeout_s or 30.0) + FETCH_REPLY_MARGIN_S
         return wire.fetch_from_pb(self._call("Fetch", request, timeout=wait))
 
+    def stage_from_disk(self, ns_id: bytes, keys: Sequence[bytes], timeout_s: float) -> FetchResult:
+        if not timeout_s > 0:
+            raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"stage timeout must be > 0: {timeout_s}")
+        request = pb.StageFromDiskRequest(
+            epoch=self.epoch, ns_id=ns_id, keys=pack_keys(keys), timeout_s=timeout_s
+        )
+        # The store bounds the stage itself (plus one file read); this only catches a hang.
+        wait = timeout_s + FETCH_REPLY_MARGIN_S
+        return wire.fetch_from_pb(self._call("StageFromDisk", request, timeout=wait))
+
     # -- StoreAdmin: operators, the index, peer stores -------------------------------------
 
     def clear(self) -> int:
@@ -460,7 +470,11 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
 
     def snapshot(self) -> Snapshot:
         reply = self._call("Snapshot", pb.SnapshotRequest())
-        return Snapshot(reply.seq, {c.ns_id: unpack_keys(c.keys) for c in reply.chunks})
+        return Snapshot(
+            reply.seq,
+            {c.ns_id: unpack_keys(c.keys) for c in reply.chunks},
+            {c.ns_id: unpack_keys(c.keys) for c in reply.disk_chunks},
+        )
 
     def read_events(
         self, from_seq: int, max_batches: int = 256, timeout: float | None = None

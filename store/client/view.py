@@ -235,6 +235,8 @@ def follow_events(writer: ChunkViewWriter) -> Callable[[Sequence[StoreEvent]], N
                 writer.clear()
                 added, removed = [], []
                 continue
+            if event.tier != "cpu":  # the disk tier's: the view is of the pool only
+                continue
             tags = [tag_of(event.namespace, k) for k in event.keys]
             (added if event.kind is EventKind.STORED else removed).extend(tags)
         writer.apply(added, removed)

@@ -343,16 +343,18 @@ class NamespaceChunks(_message.Message):
     def __init__(self, ns_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class SnapshotReply(_message.Message):
-    __slots__ = ("seq", "chunks", "node_id", "epoch")
+    __slots__ = ("seq", "chunks", "node_id", "epoch", "disk_chunks")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DISK_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     chunks: _containers.RepeatedCompositeFieldContainer[NamespaceChunks]
     node_id: str
     epoch: int
-    def __init__(self, seq: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[NamespaceChunks, _Mapping]]] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    disk_chunks: _containers.RepeatedCompositeFieldContainer[NamespaceChunks]
+    def __init__(self, seq: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[NamespaceChunks, _Mapping]]] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., disk_chunks: _Optional[_Iterable[_Union[NamespaceChunks, _Mapping]]] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("kind", "ns_id", "keys", "tier")
@@ -411,6 +413,18 @@ class FetchRequest(_message.Message):
     holder: str
     timeout_s: float
     def __init__(self, epoch: _Optional[int] = ..., ns_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., holder: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class StageFromDiskRequest(_message.Message):
+    __slots__ = ("epoch", "ns_id", "keys", "timeout_s")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    ns_id: bytes
+    keys: bytes
+    timeout_s: float
+    def __init__(self, epoch: _Optional[int] = ..., ns_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class FetchReply(_message.Message):
     __slots__ = ("status", "local", "fetched", "bytes", "holder_hits", "checksum_mismatches", "present", "message")

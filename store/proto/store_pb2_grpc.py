@@ -129,6 +129,11 @@ class StoreStub:
                 request_serializer=store__pb2.FetchRequest.SerializeToString,
                 response_deserializer=store__pb2.FetchReply.FromString,
                 _registered_method=True)
+        self.StageFromDisk = channel.unary_unary(
+                '/kvtier.store.v1.Store/StageFromDisk',
+                request_serializer=store__pb2.StageFromDiskRequest.SerializeToString,
+                response_deserializer=store__pb2.FetchReply.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -249,6 +254,13 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StageFromDisk(self, request, context):
+        """The local disk tier: stage a run of chunks from this node's disk into the pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -345,6 +357,11 @@ def add_StoreServicer_to_server(servicer, server):
             'Fetch': grpc.unary_unary_rpc_method_handler(
                     servicer.Fetch,
                     request_deserializer=store__pb2.FetchRequest.FromString,
+                    response_serializer=store__pb2.FetchReply.SerializeToString,
+            ),
+            'StageFromDisk': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageFromDisk,
+                    request_deserializer=store__pb2.StageFromDiskRequest.FromString,
                     response_serializer=store__pb2.FetchReply.SerializeToString,
             ),
     }
@@ -860,6 +877,33 @@ class Store:
             target,
             '/kvtier.store.v1.Store/Fetch',
             store__pb2.FetchRequest.SerializeToString,
+            store__pb2.FetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageFromDisk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.store.v1.Store/StageFromDisk',
+            store__pb2.StageFromDiskRequest.SerializeToString,
             store__pb2.FetchReply.FromString,
             options,
             channel_credentials,

@@ -51,6 +51,7 @@ STORE_PERMISSIONS: Mapping[str, Permission] = {
     "Renew": P.STORE_DATA,
     "Delete": P.STORE_DATA,
     "Fetch": P.STORE_DATA,
+    "StageFromDisk": P.STORE_DATA,
     "OpenSession": P.STORE_DATA,
     "Heartbeat": P.STORE_DATA,
     "CloseSession": P.STORE_DATA,
@@ -309,7 +310,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: pb.SnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotReply:
         with self._timed("snapshot"):
-            snap = self.core.snapshot()
+            snap = self.node.snapshot()
         return pb.SnapshotReply(
             seq=snap.seq,
             node_id=self.core.node_id,
@@ -317,6 +318,10 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             chunks=[
                 pb.NamespaceChunks(ns_id=ns, keys=b"".join(keys))
                 for ns, keys in snap.chunks.items()
+            ],
+            disk_chunks=[
+                pb.NamespaceChunks(ns_id=ns, keys=b"".join(keys))
+                for ns, keys in snap.disk_chunks.items()
             ],
         )
 
@@ -362,6 +367,18 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             self.metrics.fetch_latency.observe(time.perf_counter() - start)
             self.metrics.fetches.labels(result.status.value).inc()
             self.metrics.fetch_bytes.inc(result.bytes)
+        return wire.fetch_to_pb(result)
+
+    @rpc.handler
+    def StageFromDisk(
+        self, request: pb.StageFromDiskRequest, context: grpc.ServicerContext
+    ) -> pb.FetchReply:
+        self.tenants.check(request.ns_id)
+        if not request.timeout_s > 0:
+            raise KvtierError(ErrorCode.INVALID_ARGUMENT, "a stage needs a timeout_s > 0")
+        keys = unpack_keys(request.keys)
+        with self._timed("stage_from_disk"):
+            result = self.node.stage_from_disk(request.ns_id, keys, request.timeout_s)
         return wire.fetch_to_pb(result)
 
 

@@ -98,3 +98,19 @@ def test_concurrent_requests_with_failed_loads_and_preemption(drills: DrillConte
     result = run(drills, "concurrent-failed-loads")
     assert result.counters["preemptions"] >= 1
     assert result.counters.get("load_failed_requests", 0) >= 1
+
+
+def test_bad_disk_files_are_misses_under_concurrent_loads(drills: DrillContext) -> None:
+    """Half the chunk files damaged: stages stop at them (counted short), what was staged
+    before them loads, nothing damaged is ever loaded, and what the recomputing step saved
+    reads back exactly."""
+    result = run(drills, "disk-bad-files")
+    assert result.counters["damaged_files"] > 0
+    assert result.counters["disk_stage_short"] > 0
+    assert result.hits.get("disk", 0) > 0
+
+
+def test_a_killed_stores_disk_serves_the_next_store(drills: DrillContext) -> None:
+    result = run(drills, "disk-store-killed")
+    # B shares A's first 256 tokens (4 chunks): all from the new store's disk
+    assert result.hits.get("disk", 0) >= 256 * REQUESTS

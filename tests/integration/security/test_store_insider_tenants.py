@@ -86,6 +86,7 @@ def test_another_tenants_namespace_answers_byte_for_byte_like_none(
         "allocate": lambda ns: b.allocate(ns, keys, [CHUNK] * 2),
         "delete": lambda ns: b.delete(ns, keys),
         "fetch": lambda ns: b.fetch(ns, keys, "127.0.0.1:1", 1.0),
+        "stage from disk": lambda ns: b.stage_from_disk(ns, keys, 1.0),
     }
     try:
         for name, call in calls.items():

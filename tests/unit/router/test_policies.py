@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
+from kvtier.core.costs import DEFAULT_KAPPA
 from kvtier.router.policies import (
-    DEFAULT_KAPPA,
     POLICIES,
     CacheAware,
     Candidate,
@@ -288,6 +288,20 @@ def test_kvtier_shared_system_prompt_is_not_a_hot_spot() -> None:
     assert set(spread) == {"a", "b", "c", "d"}
     assert max(spread.values()) - min(spread.values()) <= 2
     assert route("cache-aware") == Counter({"a": 40})
+
+
+def test_kvtier_prices_the_nodes_disk_only_where_measured() -> None:
+    """A prefix on the node's disk: priced at (1 - kappa disk) where the table measured the
+    disk tier, and as a recompute where it did not (the defaults know no disk)."""
+    on_disk = Candidate("a", Load(), Coverage(0, 1000, 8000, disk=8000))
+    cold = cand("b")
+    measured = TierCosts({**DEFAULT_KAPPA, "disk": {8192: 0.75}})
+    # 1000 DRAM x 0.04 + 7000 disk x 0.25 + 192 missed
+    assert measured.uncached(on_disk.coverage, 8192) == pytest.approx(40 + 1750 + 192)
+    assert Kvtier(measured).choose(req(8192), [cold, on_disk]).index == 1
+    assert TierCosts().uncached(on_disk.coverage, 8192) == pytest.approx(40 + 7000 + 192)
+    with pytest.raises(ValueError, match="cumulative"):
+        Coverage(0, 0, 100, disk=200)  # remote covers at least what the node's disk does
 
 
 def test_kvtier_remote_prefix_priced_at_one_minus_kappa_remote() -> None:

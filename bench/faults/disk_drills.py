@@ -1,0 +1,123 @@
+"""The disk tier's fault drills (``kvtier bench faults``; docs/disk.md, "Failures").
+
+Both run a node store with the disk tier (write-through: every chunk copied to disk within
+~50 ms) and a 1 MiB pool that the drill overflows, so prompts come back from disk:
+
+- ``disk-bad-files``: A is stored (and copied to disk), filler prompts evict it from DRAM,
+  every other chunk file is damaged, then every B (A's first 256 tokens + 200 new ones) is in
+  flight at once: each stage stops at its first bad file, the rest recomputes, and the step
+  that recomputes also saves B's new chunks. A fresh pass then reads back whatever was saved.
+- ``disk-store-killed``: A is stored and copied to disk, the store is SIGKILLed and another
+  started on the same directory; a new instance's B (all in flight) and A hit from disk.
+
+Every output is compared with the reference, bit for bit (``run.tally``).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+from kvtier.bench.faults.run import DrillContext, DrillResult, add_counters, generate, tally
+from kvtier.testing.services import Service, start_store
+
+RESET = {"op": "reset_prefix_cache"}
+SETTLE = {"op": "settle"}
+METRICS = {"op": "metrics"}
+COPIED = {"op": "sleep", "seconds": 0.5}  # the store's spill thread copies within ~50 ms
+POOL = "1MiB"  # 32 chunks of the drill model (64 tokens x 512 B): the filler overflows it
+FILLER = (6, 512)  # prompts x tokens: 48 chunks
+
+
+def _disk_store(ctx: DrillContext, disk: Path) -> Service:
+    env = {
+        "KVTIER_STORE__DISK__ENABLED": "true",
+        "KVTIER_STORE__DISK__PATH": str(disk),
+        "KVTIER_STORE__DISK__WRITE_THROUGH": "true",
+        "KVTIER_STORE__DISK__INTERVAL_S": "0.05",
+        "KVTIER_STORE__MAX_BATCH_FRACTION": "1",  # a 1 MiB pool: one step's saves may fill it
+    }
+    return start_store(ctx.run_dir, POOL, "drill-disk", remote=False, env=env)
+
+
+def _config(ctx: DrillContext, store: Service) -> dict:
+    return {
+        "store_address": store.address,
+        "tiers": ["cpu", "disk"],
+        "min_hit_tokens": {"cpu": ctx.chunk, "disk": ctx.chunk},
+    }
+
+
+def _filler(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 500) for _ in range(FILLER[1])] for _ in range(FILLER[0])]
+
+
+def _fresh_dir(ctx: DrillContext, name: str) -> Path:
+    disk = ctx.workdir / name
+    shutil.rmtree(disk, ignore_errors=True)
+    return disk
+
+
+def disk_bad_files(ctx: DrillContext) -> DrillResult:
+    result = DrillResult("", "")
+    prompts = ctx.prompts(31)
+    disk = _fresh_dir(ctx, "disk-bad-files")
+    store = _disk_store(ctx, disk)
+    many = {"batch": True}
+    try:
+        phases = [generate(prompts.a), SETTLE, COPIED, generate(_filler(32)), SETTLE, COPIED]
+        phases += [{"op": "damage_files", "dir": str(disk), "every": 2}, RESET]
+        phases += [generate(prompts.b) | many, SETTLE, COPIED, RESET]
+        phases += [generate(prompts.b) | many, RESET, generate(prompts.a), METRICS]
+        out = ctx.vllm(phases, _config(ctx, store))
+        reference = ctx.reference(prompts.a + prompts.b)
+        tally(result, out[0], prompts.a, reference)
+        tally(result, out[8], prompts.b, reference, timed=True, batched=True)
+        tally(result, out[12], prompts.b, reference, batched=True)
+        tally(result, out[14], prompts.a, reference)
+        add_counters(result, out[-1])
+        result.notes.append(f"{out[6]} files damaged")
+        result.counters["damaged_files"] = out[6]
+    finally:
+        store.stop()
+    return result
+
+
+def disk_store_killed(ctx: DrillContext) -> DrillResult:
+    result = DrillResult("", "")
+    prompts = ctx.prompts(33)
+    disk = _fresh_dir(ctx, "disk-store-killed")
+    store = _disk_store(ctx, disk)
+    try:
+        kill = {"op": "signal", "pid": store.pid, "signal": "SIGKILL"}
+        first = ctx.vllm([generate(prompts.a), SETTLE, COPIED, kill], _config(ctx, store))
+    finally:
+        store.stop()
+    again = _disk_store(ctx, disk)
+    try:
+        phases = [generate(prompts.b) | {"batch": True}, RESET, generate(prompts.a), METRICS]
+        out = ctx.vllm(phases, _config(ctx, again))
+        reference = ctx.reference(prompts.a + prompts.b)
+        tally(result, first[0], prompts.a, reference)
+        tally(result, out[0], prompts.b, reference, timed=True, batched=True)
+        tally(result, out[2], prompts.a, reference)
+        add_counters(result, out[-1])
+    finally:
+        again.stop()
+    return result
+
+
+DISK_DRILLS = {
+    "disk-bad-files": (
+        "every other chunk file on the node's disk damaged, then every request in flight at "
+        "once loads from disk; the recomputing step saves 3 new chunks",
+        disk_bad_files,
+    ),
+    "disk-store-killed": (
+        "the store is SIGKILLed with the prompts on its disk; another store on the same "
+        "directory serves them to requests in flight at once",
+        disk_store_killed,
+    ),
+}
