@@ -18,8 +18,9 @@ why, and every candidate's score (for the decision log).
 - ``hybrid``: lmetric, plus an affinity gate: stay on the instance whose GPU holds more than
   half the prompt unless it is overloaded (load > ``overload_factor`` x average).
 - ``kvtier``: lmetric where a token costs what loading it from its cheapest tier costs: 0 in
-  the instance's GPU, (1 - kappa) of a recompute in its node's DRAM or another node's pool,
-  with kappa measured per tier and length (``TierCosts``). A prefix in any node store is warm
+  the instance's GPU, (1 - kappa) of a recompute in its node's DRAM, its node's disk or
+  another node's pool, with kappa measured per tier and length (``TierCosts``; the default
+  table knows no disk, which then costs a recompute). A prefix in any node store is warm
   everywhere, so load decides and a shared system prompt stops being a hot spot; leaving the
   GPU holder costs a fetch, not a recompute, and the gate compares exactly that.
 

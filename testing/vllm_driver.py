@@ -45,6 +45,8 @@ from kvtier.testing.fault_injection import arm as arm_fault
 from kvtier.testing.fault_injection import damage_files, scheduler_connector
 from kvtier.testing.fault_injection import disarm as disarm_faults
 from kvtier.testing.services import store_leases
+from kvtier.testing.vllm_forkserver import ENV as FORKSERVER_ENV
+from kvtier.testing.vllm_forkserver import run as forked_run
 
 RESULT_PREFIX = "KVTIER-RESULT "
 SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
@@ -61,7 +63,12 @@ def kvtier_transfer_config(extra: dict | None = None) -> dict:
 
 
 def run_vllm(spec: dict, env: Mapping[str, str], timeout: float = 900) -> list[Any]:
-    """Run the driver in a fresh process; returns the phases' results (raises on failure)."""
+    """Run the driver in a fresh process; returns the phases' results (raises on failure).
+    With ``KVTIER_VLLM_FORKSERVER`` set (the tests), the process is forked from one that
+    imported vLLM already (``vllm_forkserver``)."""
+    server = os.environ.get(FORKSERVER_ENV)  # a socket path: fork runs from a warm process
+    if server and not spec.get("preload"):
+        return _run_forked(Path(server), spec, env, timeout)
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.testing.vllm_driver"],
         input=json.dumps(spec),
@@ -77,6 +84,19 @@ def run_vllm(spec: dict, env: Mapping[str, str], timeout: float = 900) -> list[A
         if line.startswith(RESULT_PREFIX) and proc.returncode == 0:
             return json.loads(line[len(RESULT_PREFIX) :])
     raise RuntimeError(f"vLLM driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def _run_forked(server: Path, spec: dict, env: Mapping[str, str], timeout: float) -> list[Any]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-driver-") as tmp:
+        rc, result, stderr = forked_run(server, spec, dict(env), timeout, Path(tmp))
+    for line in stderr.splitlines():
+        if line.startswith("fault injection"):
+            print(line, file=sys.stderr)
+    if rc == 0 and result is not None:
+        return result
+    raise RuntimeError(f"vLLM driver failed ({rc}):\n{stderr[-4000:]}")
 
 
 class _ConnectorTimer:

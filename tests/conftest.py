@@ -1,6 +1,9 @@
 """Fixtures shared by every tier: a run dir, a small store config and namespace; and real
 processes on free ports (``store_proc``, the session's ``redis_server``) for the tiers that
-may start them (tests/unit refuses: tests/unit/conftest.py). Helpers: tests/support."""
+may start them (tests/unit refuses: tests/unit/conftest.py). Helpers: tests/support.
+
+vLLM driver runs fork from one process that imported vLLM once (``vllm_forkserver``, started
+at the first run): ~9 s of a ~12.5 s run is that import, and the suite makes a hundred runs."""
 
 from __future__ import annotations
 
@@ -16,6 +19,19 @@ from kvtier.core.keys import Namespace
 from kvtier.testing.redis_cluster import LocalRedisCluster, start_redis_cluster
 
 from support.helpers import RedisServer, StoreProcess, start_redis, start_store_process
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_forkserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    from kvtier.testing import vllm_forkserver
+
+    path = tmp_path_factory.getbasetemp() / "vllm-forkserver.sock"
+    os.environ[vllm_forkserver.ENV] = str(path)
+    try:
+        yield
+    finally:
+        os.environ.pop(vllm_forkserver.ENV, None)
+        vllm_forkserver.stop(path)
 
 
 @pytest.fixture

@@ -43,6 +43,9 @@ def _disk_store(ctx: DrillContext, disk: Path) -> Service:
 
 def _config(ctx: DrillContext, store: Service) -> dict:
     return {
+        # chunk keys independent of the scratch path, so which files ``damage_files`` picks
+        # (every other one, by key) is the same on every run
+        "model_id": "disk-drill",
         "store_address": store.address,
         "tiers": ["cpu", "disk"],
         "min_hit_tokens": {"cpu": ctx.chunk, "disk": ctx.chunk},

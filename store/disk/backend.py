@@ -261,6 +261,8 @@ class DiskBackend:
                 jobs.append((entry, loc))
             elif st is AllocStatus.NO_SPACE and status is FetchStatus.OK:
                 status, message = FetchStatus.NO_SPACE, "no room in this pool"
+            elif st is AllocStatus.IN_PROGRESS and status is FetchStatus.OK:
+                status, message = FetchStatus.BUSY, "another writer is storing this chunk here"
         futures = [self._readers.submit(self._read, entry, loc, deadline) for entry, loc in jobs]
         commit_keys: list[bytes] = []
         checksums: list[int] = []

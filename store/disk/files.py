@@ -47,6 +47,8 @@ _FIELDS = struct.Struct("<8sIHHQQ")  # magic, version, ns_len, key_len, size, ch
 _HEADER_SUM = struct.Struct("<Q")
 TMP_MARK = ".tmp-"
 _tmp_counter = itertools.count()
+# buffers one writev/preadv takes (a chunk the pool split into more pieces goes in several)
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 
 
 class BadChunkFile(ValueError):
@@ -125,9 +127,9 @@ def write_chunk(
         buffers: list[memoryview] = [memoryview(encode_header(header))]
         buffers += [view.data.cast("B") for view in data]
         expected = HEADER_BYTES + header.size
-        written = os.writev(fd, buffers)
-        while written < expected:  # a short write: finish what is left, buffer by buffer
-            written += _write_from(fd, buffers, written)
+        written = 0
+        while written < expected:  # several calls: more than IOV_MAX pieces, or short writes
+            written += os.pwritev(fd, _tail(buffers, written)[:IOV_MAX], written)
         if fsync:
             os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -140,16 +142,6 @@ def write_chunk(
         tmp.unlink(missing_ok=True)
         raise
     return expected
-
-
-def _write_from(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """Write the bytes of ``buffers`` from ``offset`` on (one ``pwrite`` of one buffer)."""
-    pos = 0
-    for buf in buffers:
-        if offset < pos + buf.nbytes:
-            return os.pwrite(fd, buf[offset - pos :], offset)
-        pos += buf.nbytes
-    raise OSError("nothing left to write")
 
 
 def fsync_dirs(dirs: set[Path]) -> None:
@@ -177,7 +169,7 @@ def read_chunk_into(path: Path, expected: ChunkHeader, into: Sequence[np.ndarray
         views = [view.data.cast("B") for view in into]
         done, offset = 0, HEADER_BYTES
         while done < header.size:
-            got = os.preadv(fd, _tail(views, done), offset + done)
+            got = os.preadv(fd, _tail(views, done)[:IOV_MAX], offset + done)
             if got == 0:
                 raise BadChunkFile(f"file ends after {done} of {header.size} data bytes")
             done += got

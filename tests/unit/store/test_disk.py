@@ -24,6 +24,7 @@ from kvtier.core.config import StoreConfig
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.remote import FetchStatus
+from kvtier.store.client.shm import checksum_views
 from kvtier.store.disk import files
 from kvtier.store.disk.files import TMP_MARK, BadChunkFile, chunk_path
 from kvtier.tiers import CpuTier, connect
@@ -226,7 +227,7 @@ def test_a_failed_write_leaves_no_file_and_no_entry(open_store, monkeypatch, cod
     ns_id = tier.namespace_id(namespace(), CHUNK)
     keys = keys_of(2)
     tier.put(ns_id, keys, chunks(2, seed=8))
-    monkeypatch.setattr(files.os, "writev", fail_with(code))
+    monkeypatch.setattr(files.os, "pwritev", fail_with(code))
     assert disk_of(tier).spill_once().chunks == 0
     assert len(disk_of(tier).catalog) == 0
     assert not [p for p in disk_of(tier).root.rglob("*") if p.is_file() and p.name != ".lock"]
@@ -326,3 +327,17 @@ def test_the_connectors_disk_tier_skips_runs_measured_no_faster_than_recompute(o
     tier.delete(ns_id, keys)
     unmeasured = DiskTier(tier, timeout_s=5, costs=KappaTable(), chunk_tokens=256)
     assert unmeasured.stage(ns_id, keys[:2], min_chunks=1).status is StageStatus.STAGED
+
+
+def test_a_chunk_in_more_pieces_than_one_call_takes(tmp_path):
+    """A fragmented pool hands a chunk out in many extents: more than IOV_MAX buffers are
+    written and read back in several calls, byte for byte."""
+    pieces = [np.full(64, i % 251, dtype=np.uint8) for i in range(files.IOV_MAX * 2 + 7)]
+    data = np.concatenate(pieces)
+    checksum = checksum_views([data])
+    header = files.ChunkHeader(b"n" * 16, b"k" * 16, data.nbytes, checksum)
+    path = tmp_path / "chunk"
+    files.write_chunk(path, header, pieces)
+    into = [np.zeros(64, dtype=np.uint8) for _ in pieces]
+    assert files.read_chunk_into(path, header, into) == checksum
+    assert np.array_equal(np.concatenate(into), data)
