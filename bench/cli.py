@@ -360,6 +360,10 @@ def bench_knee(
         typer.Option(help="DRAM tiers: none (no connector), a multiple of S*W or a size (none,2)"),
     ] = None,
     chunk_tokens: Annotated[int, typer.Option(help="kvtier chunk (tokens)")] = 32,
+    disk: Annotated[
+        bool,
+        typer.Option(help="give every DRAM configuration the node's disk tier (docs/disk.md)"),
+    ] = False,
     fraction: Annotated[float, typer.Option(help="knee: this share of the best hit ratio")] = 0.9,
     seed: Annotated[int, typer.Option()] = 0,
     quick: Annotated[
@@ -418,7 +422,11 @@ def bench_knee(
         ]
         configs = knee.grid(blocks, drams)
         settings = knee.RunSettings(
-            model_dir=Path(model_dir), info=info, out_dir=out, chunk_tokens=chunk_tokens
+            model_dir=Path(model_dir),
+            info=info,
+            out_dir=out,
+            chunk_tokens=chunk_tokens,
+            disk=disk,
         )
         knee.check_configs(configs, workload)
     except (KvtierError, ValueError) as e:

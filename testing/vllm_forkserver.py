@@ -68,6 +68,8 @@ def _child(conn: socket.socket, main: Any) -> None:
     rc, result = 1, None
     try:
         request = json.loads(_read_all(conn))
+        if "module" in request:
+            _run_module(conn, request)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # vLLM waits for its own children
         os.setsid()  # a caller's kill of the process group reaches nothing else
         conn.sendall(f"{os.getpid()}\n".encode())
@@ -94,6 +96,110 @@ def _child(conn: socket.socket, main: Any) -> None:
         conn.sendall((json.dumps({"rc": rc, "result": result}) + "\n").encode())
     finally:
         os._exit(rc)
+
+
+def _run_module(conn: socket.socket, request: dict) -> None:
+    """``python -m <module> <argv>`` in this child (a vLLM OpenAI server): it runs until it
+    exits or is signalled; the exit code goes back on the connection."""
+    import runpy
+
+    rc = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        conn.sendall(f"{os.getpid()}\n".encode())
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        sys.argv = [request["module"], *request["argv"]]
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            rc = 0
+        except SystemExit as exit_:
+            code = exit_.code
+            rc = code if isinstance(code, int) else (0 if code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.sendall((json.dumps({"rc": rc}) + "\n").encode())
+    finally:
+        os._exit(rc)
+
+
+class ForkedProcess:
+    """What ``subprocess.Popen`` offers of a process the fork server started: its pid (the
+    leader of its own session), ``poll``/``wait``/``returncode`` from the connection it
+    answers on when it exits, and signals."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self._conn = conn
+        self._buffer = b""
+        while not self._buffer.endswith(b"\n"):
+            chunk = conn.recv(64)
+            if not chunk:
+                raise RuntimeError("the fork server's child exited before it started")
+            self._buffer += chunk
+        self.pid = int(self._buffer)
+        self._buffer = b""
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._conn.setblocking(False)
+            try:
+                while chunk := self._conn.recv(4096):
+                    self._buffer += chunk
+                self._finish()  # EOF: the process is gone
+            except BlockingIOError:
+                pass
+        return self.returncode
+
+    def _finish(self) -> None:
+        line = self._buffer.strip()
+        self.returncode = json.loads(line)["rc"] if line else -signal.SIGKILL
+        self._conn.close()
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked process {self.pid}", timeout or 0)
+            time.sleep(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_module(
+    path: Path, module: str, argv: list[str], env: dict[str, str], log: Path
+) -> ForkedProcess:
+    """``python -m module *argv`` forked from the server, output appended to ``log``."""
+    _ensure_server(path)
+    request = {"module": module, "argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(log)}
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(path))
+    conn.sendall(json.dumps(request).encode())
+    conn.shutdown(socket.SHUT_WR)
+    return ForkedProcess(conn)
 
 
 def _read_all(conn: socket.socket) -> bytes:

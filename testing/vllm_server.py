@@ -22,6 +22,8 @@ from pathlib import Path
 
 from kvtier.testing.models import vllm_env
 from kvtier.testing.ports import free_port
+from kvtier.testing.vllm_forkserver import ENV as FORKSERVER_ENV
+from kvtier.testing.vllm_forkserver import ForkedProcess, start_module
 
 MODEL_NAME = "tiny"
 
@@ -75,9 +77,14 @@ class VllmServer:
             *(extra_args or []),
         ]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed by stop()
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        server = os.environ.get(FORKSERVER_ENV)
+        self.proc: subprocess.Popen | ForkedProcess
+        if server:  # the tests: forked from a process that imported vLLM already
+            self.proc = start_module(Path(server), cmd[2], cmd[3:], env, log_path)
+        else:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Until ``/health`` answers 200, for as long as the server's process runs: a failed

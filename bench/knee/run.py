@@ -14,7 +14,10 @@ capacity (kvtier's connector with an embedded store of that many bytes, or none:
 connector), run on a fresh vLLM server: caches start cold, nothing carries over from the
 previous configuration. A warm-up prompt of its own (hash ids no workload prompt uses) goes
 first and is left out of every figure; /metrics is read before and after the workload.
-Realised hit ratio by tier = ``vllm:prompt_tokens_cached_by_source{device|host}`` deltas /
+With ``--disk`` every DRAM configuration also has the node store's disk tier (a cold one per
+configuration): prompts evicted from a DRAM pool too small for the working set come back
+from disk (``source=disk``). Run it beside the same sweep without ``--disk``.
+Realised hit ratio by tier = ``vllm:prompt_tokens_cached_by_source{device|host|disk}`` deltas /
 ``vllm:prefix_cache_queries`` delta (prompt tokens of requests admitted for the first time: a
 preempted request resumed is not counted twice). TTFT p50/p90 from streaming, client clock.
 
@@ -48,7 +51,7 @@ from kvtier.traces.replay import (
 )
 from kvtier.traces.summary import summarize
 
-SOURCES = ("device", "host", "p2p")
+SOURCES = ("device", "host", "p2p", "disk")
 CACHED = "vllm:prompt_tokens_cached_by_source_total{{source={}}}"
 QUERIES = "vllm:prefix_cache_queries_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
@@ -236,13 +239,24 @@ class RunSettings:
     chunk_tokens: int = 32  # kvtier chunk; the block size: DRAM hits as fine-grained as GPU ones
     timeout_s: float = 600.0  # per request
     connector: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config
+    disk: bool = False  # every DRAM configuration also gets the node's disk tier (docs/disk.md)
 
 
-def connector_extra(settings: RunSettings, dram_bytes: int) -> dict[str, Any]:
+def connector_extra(
+    settings: RunSettings, dram_bytes: int, disk_dir: Path | None = None
+) -> dict[str, Any]:
+    store: dict[str, Any] = {"pool": {"capacity": str(dram_bytes)}}
+    tiers: dict[str, Any] = {}
+    if settings.disk and disk_dir is not None:
+        # the default write-back policy, checked every 50 ms (the pool here is small and
+        # fills in seconds); a cold disk per configuration, like every other cache
+        store["disk"] = {"enabled": True, "path": str(disk_dir), "interval_s": 0.05}
+        tiers = {"tiers": ["cpu", "disk"]}
     return {
-        "store": {"pool": {"capacity": str(dram_bytes)}},
+        "store": store,
+        **tiers,
         "chunk_tokens": settings.chunk_tokens,
-        "min_hit_tokens": {"cpu": settings.chunk_tokens},
+        "min_hit_tokens": {"cpu": settings.chunk_tokens, "disk": settings.chunk_tokens},
         # the answers resent next turn are stand-ins (knee_workload): saving the model's
         # own output would fill DRAM with chunks no prompt ever asks for
         "save": "prompt",
@@ -277,7 +291,9 @@ def run_config(
     env: dict[str, str] = {}
     run_dir = out / f"{config.name}.run"
     if config.dram_bytes is not None:
-        transfer = kvtier_transfer_config(connector_extra(settings, config.dram_bytes))
+        transfer = kvtier_transfer_config(
+            connector_extra(settings, config.dram_bytes, run_dir / "disk")
+        )
         extra += ["--kv-transfer-config", json.dumps(transfer)]
         run_dir.mkdir(parents=True, exist_ok=True)
         env = {
