@@ -39,7 +39,6 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -73,10 +72,12 @@ STAGE_WRITE_TTL_S = 30.0  # pool pages allocated for a stage must be committed w
 COUNTERS = (
     "spilled_chunks",
     "spilled_bytes",
+    "write_seconds",
     "write_errors",
     "staged_chunks",
     "staged_bytes",
     "stage_calls",
+    "read_seconds",
     "read_errors",
     "bad_files",
     "evicted_files",
@@ -100,7 +101,8 @@ class DiskBackend:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = _lock_directory(self.root)
         self.catalog = DiskCatalog(self.root, int(config.capacity))
-        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+        self.spill_queue = 0  # chunks the last spill round found to copy (at most a batch)
         self._counter_lock = threading.Lock()
         self._write_lock = threading.Lock()  # one spill round at a time
         self._writes_paused_until = 0.0
@@ -153,6 +155,7 @@ class DiskBackend:
                 int(self.config.max_batch_bytes),
                 lambda ns_id, key: (ns_id, key) in self.catalog,
             )
+            self.spill_queue = len(batch)
             if not batch:
                 return SpillRound(0, 0, "nothing to copy")
             written: list[DiskEntry] = []
@@ -180,11 +183,14 @@ class DiskBackend:
             checksum = entry.checksum or checksum_views(views)
             header = ChunkHeader(entry.namespace, entry.key, entry.size, checksum)
             path = chunk_path(self.root, entry.namespace, entry.key)
+            start = time.perf_counter()
             try:
                 write_chunk(path, header, views, fsync=self.config.fsync)
             except OSError as exc:
                 self._write_failed(exc)
                 break
+            finally:
+                self._count(write_seconds=time.perf_counter() - start)
             dirs.update({path.parent, path.parent.parent})
             done.append(DiskEntry(header, path))
         if done and self.config.fsync:
@@ -290,6 +296,7 @@ class DiskBackend:
         """Read one file into its pages: its checksum, or why not (the entry is dropped)."""
         if time.monotonic() > deadline:
             return FetchStatus.TIMEOUT, "stage deadline passed"
+        start = time.perf_counter()
         try:
             return read_chunk_into(entry.path, entry.header, self._views(location))
         except BadChunkFile as exc:
@@ -302,6 +309,8 @@ class DiskBackend:
             log.warning("disk tier: reading %s: %s; dropped", entry.path, exc)
             self._drop(entry)
             return FetchStatus.TRANSFER_FAILED, f"read failed: {exc.strerror or exc}"
+        finally:
+            self._count(read_seconds=time.perf_counter() - start)
 
     def _views(self, location: ChunkLocation) -> list[np.ndarray]:
         array = self.segment.array
@@ -343,14 +352,16 @@ class DiskBackend:
                 log.debug("disk tier: cannot remove %s: %s", entry.path, exc)
         self._count(evicted_files=len(entries))
 
-    def _count(self, **deltas: int) -> None:
+    def _count(self, **deltas: float) -> None:
         with self._counter_lock:
-            self.counters.update(deltas)
+            for name, value in deltas.items():
+                self.counters[name] += value
 
     def stats(self) -> dict[str, int | float | str]:
         with self._counter_lock:
             out: dict[str, int | float | str] = {f"disk_{k}": v for k, v in self.counters.items()}
         out["disk_chunks"] = len(self.catalog)
+        out["disk_spill_queue_chunks"] = self.spill_queue
         out["disk_used_bytes"] = self.catalog.used
         out["disk_capacity_bytes"] = self.catalog.capacity
         out["disk_last_write_error"] = self.last_write_error

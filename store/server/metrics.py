@@ -56,6 +56,12 @@ class StoreMetrics:
         )
         for status in FetchStatus:
             self.fetches.labels(status.value)
+        self.disk_stage_latency = Histogram(
+            "kvtier_store_disk_stage_seconds",
+            "Latency of stages from the node's disk (read, verify, commit)",
+            buckets=FETCH_BUCKETS,
+            registry=registry,
+        )
 
 
 _GAUGES = {
@@ -99,6 +105,26 @@ _TENANT_GAUGES = {
     "tenant_quota_bytes": "Most bytes a tenant may hold",
     "tenant_floor_bytes": "Bytes of a tenant no other tenant's allocation may evict",
 }
+# Present when the disk tier is enabled (store.disk).
+_DISK_GAUGES = {
+    "disk_chunks": "Chunks on the node's disk",
+    "disk_used_bytes": "Bytes of chunk files on disk",
+    "disk_capacity_bytes": "Most bytes of chunk files kept",
+    "disk_spill_queue_chunks": "Chunks the last spill round found to copy (at most a batch)",
+}
+_DISK_COUNTERS = {
+    "disk_spilled_chunks": "Chunks copied from the pool to disk",
+    "disk_spilled_bytes": "Bytes copied from the pool to disk",
+    "disk_write_seconds": "Time spent writing chunk files (fsync included)",
+    "disk_write_errors": "Chunk file writes that failed (ENOSPC, EIO, read-only)",
+    "disk_staged_chunks": "Chunks staged from disk into the pool, checksums verified",
+    "disk_staged_bytes": "Bytes staged from disk into the pool",
+    "disk_read_seconds": "Time spent reading chunk files (summed over parallel reads)",
+    "disk_read_errors": "Chunk file reads that failed (EIO, gone)",
+    "disk_bad_files": "Chunk files that failed their checks (torn, truncated, corrupted)",
+    "disk_evicted_files": "Chunk files removed (capacity, bad, failed, ENOSPC)",
+    "disk_stage_calls": "Stage calls",
+}
 # Present when the remote tier is enabled.
 _REMOTE_GAUGES = {
     "quarantined_bytes": "Bytes held back from reuse: a failed transfer may still write them",
@@ -140,6 +166,11 @@ class StoreCollector(Collector):
                 if key.startswith(name + "."):
                     family.add_metric([key[len(name) + 1 :]], value)
             yield family
+        if "disk_chunks" in stats:
+            for name, doc in _DISK_GAUGES.items():
+                yield GaugeMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])
+            for name, doc in _DISK_COUNTERS.items():
+                yield CounterMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])
         if "remote_fetches" not in stats:
             return
         for name, doc in _REMOTE_GAUGES.items():
