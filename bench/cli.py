@@ -361,9 +361,12 @@ def bench_knee(
     ] = None,
     chunk_tokens: Annotated[int, typer.Option(help="kvtier chunk (tokens)")] = 32,
     disk: Annotated[
-        bool,
-        typer.Option(help="give every DRAM configuration the node's disk tier (docs/disk.md)"),
-    ] = False,
+        str | None,
+        typer.Option(
+            help="give every DRAM configuration the node's disk tier (docs/disk.md): "
+            "write-back or write-through"
+        ),
+    ] = None,
     fraction: Annotated[float, typer.Option(help="knee: this share of the best hit ratio")] = 0.9,
     seed: Annotated[int, typer.Option()] = 0,
     quick: Annotated[
@@ -421,6 +424,8 @@ def bench_knee(
             for d in (dram or "none,2").split(",")
         ]
         configs = knee.grid(blocks, drams)
+        if disk not in (None, "write-back", "write-through"):
+            raise typer.BadParameter(f"--disk {disk!r}: write-back or write-through")
         settings = knee.RunSettings(
             model_dir=Path(model_dir),
             info=info,

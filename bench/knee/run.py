@@ -14,9 +14,10 @@ capacity (kvtier's connector with an embedded store of that many bytes, or none:
 connector), run on a fresh vLLM server: caches start cold, nothing carries over from the
 previous configuration. A warm-up prompt of its own (hash ids no workload prompt uses) goes
 first and is left out of every figure; /metrics is read before and after the workload.
-With ``--disk`` every DRAM configuration also has the node store's disk tier (a cold one per
-configuration): prompts evicted from a DRAM pool too small for the working set come back
-from disk (``source=disk``). Run it beside the same sweep without ``--disk``.
+With ``--disk write-back`` (or ``write-through``) every DRAM configuration also has the node
+store's disk tier (a cold one per configuration): prompts evicted from a DRAM pool too small
+for the working set come back from disk (``source=disk``). Run it beside the same sweep
+without ``--disk``.
 Realised hit ratio by tier = ``vllm:prompt_tokens_cached_by_source{device|host|disk}`` deltas /
 ``vllm:prefix_cache_queries`` delta (prompt tokens of requests admitted for the first time: a
 preempted request resumed is not counted twice). TTFT p50/p90 from streaming, client clock.
@@ -239,7 +240,9 @@ class RunSettings:
     chunk_tokens: int = 32  # kvtier chunk; the block size: DRAM hits as fine-grained as GPU ones
     timeout_s: float = 600.0  # per request
     connector: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config
-    disk: bool = False  # every DRAM configuration also gets the node's disk tier (docs/disk.md)
+    # every DRAM configuration also gets the node's disk tier (docs/disk.md): "write-back"
+    # (copy the pool's cold chunks ahead of eviction, the default policy) or "write-through"
+    disk: str | None = None
 
 
 def connector_extra(
@@ -248,9 +251,12 @@ def connector_extra(
     store: dict[str, Any] = {"pool": {"capacity": str(dram_bytes)}}
     tiers: dict[str, Any] = {}
     if settings.disk and disk_dir is not None:
-        # the default write-back policy, checked every 50 ms (the pool here is small and
-        # fills in seconds); a cold disk per configuration, like every other cache
-        store["disk"] = {"enabled": True, "path": str(disk_dir), "interval_s": 0.05}
+        # a cold disk per configuration, like every other cache
+        store["disk"] = {
+            "enabled": True,
+            "path": str(disk_dir),
+            "write_through": settings.disk == "write-through",
+        }
         tiers = {"tiers": ["cpu", "disk"]}
     return {
         "store": store,

@@ -155,7 +155,9 @@ class DiskConfig(Section):
         description="copy every committed chunk to disk, whatever the pool's fill (a restart "
         "then finds the whole pool on disk; costs a write per chunk stored)",
     )
-    interval_s: float = Field(0.2, gt=0, description="how often the pool's fill is checked")
+    interval_s: float = Field(
+        0.05, gt=0, description="how often the pool's fill is checked (a cheap check)"
+    )
     max_batch_bytes: ByteSize = Field(
         ByteSize(64 << 20), description="at most this much written per round"
     )

@@ -109,6 +109,8 @@ class DiskBackend:
         self.last_write_error = ""
         self._readers = ThreadPoolExecutor(config.read_threads, thread_name_prefix="kvtier-disk")
         self.scan: ScanReport = self.catalog.scan()
+        # lock order: the store's, then the catalog's (never the other way round)
+        core.prefer_evicting(lambda ns_id, key: (ns_id, key) in self.catalog)
         log.info(
             "disk tier at %s: %d chunks (%d bytes) found in %.2fs; removed %d partial, %d bad",
             self.root,

@@ -124,6 +124,7 @@ _DISK_COUNTERS = {
     "disk_bad_files": "Chunk files that failed their checks (torn, truncated, corrupted)",
     "disk_evicted_files": "Chunk files removed (capacity, bad, failed, ENOSPC)",
     "disk_stage_calls": "Stage calls",
+    "dirty_evictions": "Chunks evicted from the pool before the disk tier copied them (lost)",
 }
 # Present when the remote tier is enabled.
 _REMOTE_GAUGES = {

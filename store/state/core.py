@@ -471,6 +471,12 @@ class StoreCore:
                 self.pages.pin(entry)
         return out
 
+    def prefer_evicting(self, on_disk: Callable[[bytes, bytes], bool]) -> None:
+        """Eviction takes a chunk ``on_disk(namespace id, key)`` says has a copy before a
+        colder one without (``PageBook._clean_victim``); called under the store's lock."""
+        with self._lock:
+            self.pages.on_disk = lambda entry: on_disk(entry.namespace, entry.key)
+
     def unpin(self, entries: Sequence[ChunkEntry]) -> None:
         """End ``pin_coldest``'s pins (a chunk deleted meanwhile is freed now)."""
         with self._lock:

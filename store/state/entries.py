@@ -30,6 +30,7 @@ COUNTERS = (
     "quarantined",
     "quarantine_released",
     "quota_evictions",  # a tenant's own chunks evicted to keep it within its quota
+    "dirty_evictions",  # chunks evicted before the disk tier had copied them (lost)
     "quota_no_space",  # chunks refused: the tenant is at its quota, nothing of its own to evict
     "sessions_opened",
     "sessions_closed",

@@ -18,7 +18,7 @@ Not thread-safe: the store calls it under its lock.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import cast
 
 from kvtier.core.chunks import ChunkLocation
@@ -27,6 +27,9 @@ from kvtier.store.pool.allocator import PageAllocator, PageRun
 from kvtier.store.pool.eviction import IsEvictable, make_policy
 from kvtier.store.state.entries import ChunkEntry, ChunkState
 from kvtier.store.state.quotas import Tenant, TenantBook
+
+# how many of the coldest chunks eviction looks through for one the disk holds a copy of
+CLEAN_SCAN = 64
 
 
 class PageBook:
@@ -50,6 +53,9 @@ class PageBook:
         self.quarantine: list[tuple[float, int, list[PageRun]]] = []
         self.quarantine_seq = 0
         self.counters = counters  # the store's (evictions, quarantined, quarantine_released)
+        # the disk tier's: has this chunk a copy on disk? (None: no disk tier). Eviction then
+        # takes a copied chunk before a colder one that has none (``_clean_victim``).
+        self.on_disk: Callable[[ChunkEntry], bool] | None = None
 
     def held(self, key: bytes, ns_id: bytes) -> ChunkEntry | None:
         """The chunk ``key`` as namespace ``ns_id`` sees it: None when absent or another
@@ -80,11 +86,33 @@ class PageBook:
         if self.tenants.floored:
             evictable = self._evictable_for(tenant)
         while self.alloc.free_pages < pages:
+            clean = self._clean_victim(evictable)
+            if clean is not None:
+                self.policy.remove(clean.key)
+                self._evicted(clean, evicted)
+                continue
             key = cast(bytes | None, self.policy.evict(evictable))
             if key is None:  # only when a floor is protected chunk by chunk (see evictable_for)
                 return None
+            if self.on_disk is not None:
+                self.counters["dirty_evictions"] += 1
             self._evicted(self.table[key], evicted)
         return self.alloc.allocate(pages)
+
+    def _clean_victim(self, evictable: IsEvictable) -> ChunkEntry | None:
+        """With a disk tier: among the ``CLEAN_SCAN`` coldest evictable chunks, the coldest
+        one the disk holds a copy of (evicting it loses nothing), else None (the policy's own
+        victim goes, uncopied). Write-back runs behind a pool that turns over faster than it
+        can copy: this keeps the chunks it has not reached yet."""
+        if self.on_disk is None:
+            return None
+        for i, key in enumerate(self.policy.coldest(evictable)):
+            if i >= CLEAN_SCAN:
+                break
+            entry = self.table[cast(bytes, key)]
+            if self.on_disk(entry):
+                return entry
+        return None
 
     def place(
         self,

@@ -341,3 +341,22 @@ def test_a_chunk_in_more_pieces_than_one_call_takes(tmp_path):
     into = [np.zeros(64, dtype=np.uint8) for _ in pieces]
     assert files.read_chunk_into(path, header, into) == checksum
     assert np.array_equal(np.concatenate(into), data)
+
+
+def test_eviction_takes_a_chunk_on_disk_before_a_colder_one_without(open_store):
+    """Write-back runs behind a pool that turns over fast: eviction takes copied chunks
+    first, so the ones not copied yet stay until they are."""
+    tier = open_store(write_through=True)
+    ns_id = tier.namespace_id(namespace(), CHUNK)
+    copied, fresh = keys_of(4), keys_of(4, start=4)
+    copied_data = chunks(4, seed=13)
+    tier.put(ns_id, copied, copied_data)
+    disk_of(tier).spill_once()  # the first four are on disk; the next four will not be
+    tier.put(ns_id, fresh, chunks(4, seed=14))
+    assert tier.prefix_length(ns_id, copied) == 4  # a use: the copied ones are hotter now
+    tier.put(ns_id, keys_of(2, start=8), chunks(2, seed=15))  # evicts two
+    assert tier.prefix_length(ns_id, fresh) == 4  # the coldest, uncopied: kept
+    assert tier.prefix_length(ns_id, copied) == 0  # copied ones went instead
+    assert tier.store.stats()["dirty_evictions"] == 0  # type: ignore[attr-defined]
+    assert tier.stage_from_disk(ns_id, copied, timeout_s=5).local == 4
+    assert read_back(tier, ns_id, copied) == copied_data
