@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import threading
@@ -232,7 +233,8 @@ class DiskBackend:
         present = self.core.committed_mask(ns_id, keys)
         first = next((i for i, p in enumerate(present) if not p), len(keys))
         entries = self.catalog.run(ns_id, keys[first : first + self._max_stage(info.chunk_bytes)])
-        entries = [e for e in entries if e.header.size == info.chunk_bytes]
+        # a file of another size is another namespace's layout: the run ends before it
+        entries = list(itertools.takewhile(lambda e: e.header.size == info.chunk_bytes, entries))
         status, message, fetched, moved = FetchStatus.OK, "", 0, 0
         if entries:
             status, message, fetched, moved = self._stage(ns_id, entries, deadline)
@@ -288,7 +290,8 @@ class DiskBackend:
             self.core.commit(alloc.lease_id, commit_keys, checksums)
         if give_back:  # fully read or never started: no late bytes, reuse the pages now
             self.core.abort(alloc.lease_id, give_back)
-        moved = sum(entry.header.size for entry, _ in jobs if entry.header.key in commit_keys)
+        committed = set(commit_keys)
+        moved = sum(entry.header.size for entry, _ in jobs if entry.header.key in committed)
         self._count(staged_chunks=len(commit_keys), staged_bytes=moved)
         return status, message, len(commit_keys), moved
 
