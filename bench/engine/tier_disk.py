@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.bench.engine.tier_latency import Report, _collect
+from kvtier.bench.engine.tier_latency import Report, _collect, _moved_per_token
 from kvtier.store.client.shm import page_aligned_empty
 from kvtier.testing.models import vllm_env
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
@@ -81,6 +81,8 @@ def run_disk(
         progress(f"kvtier-disk: {len(prompts)} prompts x miss, gpu, then disk")
         results = run_vllm(spec, vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir)), timeout=7200)
         _collect(report, "kvtier-disk", results, labels)
+        if not report.moved_bytes_per_token:  # the floor: the bytes a hit actually moved
+            report.moved_bytes_per_token = _moved_per_token(results[-1])
         report.disk_floors = disk_floors(disk, report)
     finally:
         store.stop()

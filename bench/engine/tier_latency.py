@@ -371,7 +371,9 @@ def run(
 
 def _moved_per_token(counters: dict[str, float]) -> int:
     """KV bytes per token a DRAM hit loaded, from the engine's counters (0: none counted)."""
-    tokens = counters.get("vllm:kvtier_cpu_hit_tokens", 0)
+    tokens = counters.get("vllm:kvtier_cpu_hit_tokens", 0) + counters.get(
+        "vllm:kvtier_disk_hit_tokens", 0
+    )
     loaded = counters.get("vllm:kvtier_loaded_bytes", 0)
     return round(loaded / tokens) if tokens else 0
 
