@@ -142,6 +142,18 @@ def store_args(
     return [*args, "--remote"] if remote else args
 
 
+def disk_env(path: Path, **more: str) -> dict[str, str]:
+    """The environment of a store with the disk tier at ``path`` (docs/disk.md), write-through
+    and checked every 50 ms, so a test or benchmark finds its chunks on disk at once."""
+    return {
+        "KVTIER_STORE__DISK__ENABLED": "true",
+        "KVTIER_STORE__DISK__PATH": str(path),
+        "KVTIER_STORE__DISK__WRITE_THROUGH": "true",
+        "KVTIER_STORE__DISK__INTERVAL_S": "0.05",
+        **more,
+    }
+
+
 def start_store(
     run_dir: Path,
     capacity: str,

@@ -38,17 +38,11 @@ def run_disk(
     and copied to disk) and hit on the GPU; then every prompt is sent again after vLLM's cache
     is reset, most of them long evicted from DRAM: staged from disk into the pool and loaded.
     A prompt still in DRAM lands there, is seen in vLLM's counters and left out."""
-    from kvtier.testing.services import start_store
+    from kvtier.testing.services import disk_env, start_store
 
     run_dir, disk = tmp / "disk-run", tmp / "disk"
-    env = {
-        "KVTIER_STORE__DISK__ENABLED": "true",
-        "KVTIER_STORE__DISK__PATH": str(disk),
-        "KVTIER_STORE__DISK__WRITE_THROUGH": "true",
-        "KVTIER_STORE__DISK__INTERVAL_S": "0.05",
-        "KVTIER_STORE__DISK__CAPACITY": "64GiB",
-        "KVTIER_STORE__MAX_BATCH_FRACTION": "1",  # a small pool: one prompt's saves fill it
-    }
+    # a small pool: one prompt's saves fill it
+    env = disk_env(disk, KVTIER_STORE__DISK__CAPACITY="64GiB", KVTIER_STORE__MAX_BATCH_FRACTION="1")
     store = start_store(run_dir, str(pool_bytes), "node-disk", remote=False, env=env)
     try:
         extra = {

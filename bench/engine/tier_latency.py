@@ -309,23 +309,18 @@ def run(
         suffix_tokens = _suffixes(suffix, vocab, seed)
         warmup = [random.Random(seed + 1).randrange(4, vocab) for _ in range(WARMUP_TOKENS)]
         max_len = max(lengths) + suffix + 64
+        # what every vLLM instance of the run gets: the same model, context and KV cache
+        spec_base = {
+            "model": model_dir,
+            "max_model_len": max_len,
+            "kv_cache_bytes": 3 * max_len * kv_per_token + (64 << 20),
+            "max_num_batched_tokens": 4096,
+        }
         for name in configs:
             if name == "kvtier-remote":
-                spec_base = {
-                    "model": model_dir,
-                    "max_model_len": max_len,
-                    "kv_cache_bytes": 3 * max_len * kv_per_token + (64 << 20),
-                    "max_num_batched_tokens": 4096,
-                }
                 _run_remote(report, prompts, warmup, suffix_tokens, spec_base, tmp_path, progress)
                 continue
             if name == "kvtier-disk":
-                spec_base = {
-                    "model": model_dir,
-                    "max_model_len": max_len,
-                    "kv_cache_bytes": 3 * max_len * kv_per_token + (64 << 20),
-                    "max_num_batched_tokens": 4096,
-                }
                 pool = max_len * kv_per_token  # fp32-sized: about two bf16 prompts
                 from kvtier.bench.engine.tier_disk import run_disk
 
@@ -340,14 +335,7 @@ def run(
                 phases, labels = _phases_for(tiers, prompts, warmup, suffix_tokens)
                 if name.startswith("kvtier"):  # what its DRAM hits moved, from its counters
                     phases, labels = [*phases, {"op": "metrics"}], [*labels, None]
-                spec = {
-                    "model": model_dir,
-                    "phases": phases,
-                    "max_model_len": max_len,
-                    "kv_cache_bytes": 3 * max_len * kv_per_token + (64 << 20),
-                    "max_num_batched_tokens": 4096,
-                    **spec_extra,
-                }
+                spec = {**spec_base, "phases": phases, **spec_extra}
                 results = run_vllm(spec, vllm_env(**env_extra), timeout=7200)
             except RuntimeError as exc:
                 if name.startswith("kvtier"):

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from kvtier.bench.faults.run import DrillContext, DrillResult, add_counters, generate, tally
-from kvtier.testing.services import Service, start_store
+from kvtier.testing.services import Service, disk_env, start_store
 
 RESET = {"op": "reset_prefix_cache"}
 SETTLE = {"op": "settle"}
@@ -31,13 +31,8 @@ FILLER = (6, 512)  # prompts x tokens: 48 chunks
 
 
 def _disk_store(ctx: DrillContext, disk: Path) -> Service:
-    env = {
-        "KVTIER_STORE__DISK__ENABLED": "true",
-        "KVTIER_STORE__DISK__PATH": str(disk),
-        "KVTIER_STORE__DISK__WRITE_THROUGH": "true",
-        "KVTIER_STORE__DISK__INTERVAL_S": "0.05",
-        "KVTIER_STORE__MAX_BATCH_FRACTION": "1",  # a 1 MiB pool: one step's saves may fill it
-    }
+    # a 1 MiB pool: one step's saves may fill it
+    env = disk_env(disk, KVTIER_STORE__MAX_BATCH_FRACTION="1")
     return start_store(ctx.run_dir, POOL, "drill-disk", remote=False, env=env)
 
 

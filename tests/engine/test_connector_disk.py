@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.testing.services import disk_env
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
 
 from support.helpers import StoreProcess, start_store_process
@@ -29,13 +30,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def start_disk_store(run_dir: Path, disk: Path) -> StoreProcess:
-    env = {
-        "KVTIER_STORE__DISK__ENABLED": "true",
-        "KVTIER_STORE__DISK__PATH": str(disk),
-        "KVTIER_STORE__DISK__WRITE_THROUGH": "true",
-        "KVTIER_STORE__DISK__INTERVAL_S": "0.05",
-        "KVTIER_STORE__MAX_BATCH_FRACTION": "1",  # a 1 MiB pool: let one save fill it
-    }
+    # a 1 MiB pool: let one save fill it
+    env = disk_env(disk, KVTIER_STORE__MAX_BATCH_FRACTION="1")
     return start_store_process(run_dir, "1MiB", env=env)
 
 

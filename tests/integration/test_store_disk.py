@@ -17,6 +17,7 @@ from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.events import EventBatch
 from kvtier.store.api.remote import FetchStatus
 from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.testing.services import disk_env
 from kvtier.tiers import connect
 
 from support.helpers import StoreProcess, start_store_process
@@ -25,13 +26,7 @@ CHUNK = 64 << 10
 
 
 def disk_store(run_dir: Path, disk: Path) -> StoreProcess:
-    env = {
-        "KVTIER_STORE__DISK__ENABLED": "true",
-        "KVTIER_STORE__DISK__PATH": str(disk),
-        "KVTIER_STORE__DISK__WRITE_THROUGH": "true",
-        "KVTIER_STORE__DISK__INTERVAL_S": "0.05",
-    }
-    return start_store_process(run_dir, "4MiB", env=env)
+    return start_store_process(run_dir, "4MiB", env=disk_env(disk))
 
 
 def wait_on_disk(store: StoreProcess, chunks: int) -> None:
