@@ -29,8 +29,10 @@ if command -v dpkg-query >/dev/null; then
       exit 1
     fi
     echo "installing Debian packages: ${missing[*]}"
-    $SUDO apt-get update -q
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends \
+    # wait for another apt (unattended upgrades, a second install) instead of failing
+    lock=(-o DPkg::Lock::Timeout=600)
+    $SUDO apt-get "${lock[@]}" update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get "${lock[@]}" install -y -q --no-install-recommends \
       "${missing[@]}"
   fi
 fi
