@@ -59,7 +59,7 @@ from kvtier.store.client.view import ChunkViewWriter, follow_events, view_bytes_
 from kvtier.store.disk.backend import DiskBackend
 from kvtier.store.pool.watchdog import start_watchdog, stop_watchdog
 from kvtier.store.state.core import StoreCore
-from kvtier.store.state.limits import StoreLimits
+from kvtier.store.state.limits import StoreLimits, tenant_limits
 
 if TYPE_CHECKING:
     from kvtier.store.remote.service import RemoteTier
@@ -155,7 +155,9 @@ class NodeStore(StoreClient, StoreAdmin):
         self.disk: DiskBackend | None = None
         if config.disk.enabled:
             try:
-                self.disk = DiskBackend(self.core, self.segment, config.disk)
+                self.disk = DiskBackend(
+                    self.core, self.segment, config.disk, tenant_limits(config, disk=True)
+                )
             except BaseException:
                 if self.remote is not None:
                     self.remote.close()

@@ -167,6 +167,11 @@ class DiskConfig(Section):
         description="fsync each chunk file before it is visible (a chunk then survives a "
         "power loss, not only a store crash); off only for disposable benchmarks",
     )
+    default_quota: ByteSize | None = Field(
+        None,
+        description="most bytes of chunk files each tenant not in store.tenants may hold (one "
+        "cap per cache_salt, as store.default_quota is for the pool); None = no cap",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DiskConfig:
@@ -209,6 +214,13 @@ class TenantQuota(Section):
     quota: ByteSize | None = Field(None, description="most bytes it may hold; None = no cap")
     floor: ByteSize = Field(
         ByteSize(0), description="bytes of it never evicted for another tenant's allocation"
+    )
+    disk_quota: ByteSize | None = Field(
+        None, description="most bytes of chunk files it may hold on the disk tier; None = no cap"
+    )
+    disk_floor: ByteSize = Field(
+        ByteSize(0),
+        description="bytes of its chunk files never removed for another tenant's (disk tier)",
     )
 
 
@@ -355,5 +367,11 @@ class StoreConfig(Section):
             raise ValueError(
                 f"store.disk.capacity ({self.disk.capacity.human_readable()}) must be at least "
                 f"store.pool.capacity ({self.pool.capacity.human_readable()})"
+            )
+        floors = sum(int(t.disk_floor) for t in self.tenants)
+        if self.disk.enabled and floors > self.disk.capacity:
+            raise ValueError(
+                f"store.tenants: the disk floors add up to {ByteSize(floors).human_readable()}, "
+                f"more than store.disk.capacity ({self.disk.capacity.human_readable()})"
             )
         return self

@@ -56,6 +56,7 @@ from kvtier.store.api.types import AllocStatus
 from kvtier.store.client.shm import SharedSegment, checksum_views
 from kvtier.store.disk.catalog import DiskCatalog, DiskEntry, ScanReport
 from kvtier.store.disk.files import (
+    HEADER_BYTES,
     BadChunkFile,
     ChunkHeader,
     chunk_path,
@@ -65,6 +66,7 @@ from kvtier.store.disk.files import (
 )
 from kvtier.store.remote.demotion import settled_used
 from kvtier.store.state.core import StoreCore
+from kvtier.store.state.quotas import TenantLimits
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +95,13 @@ class SpillRound:
 
 
 class DiskBackend:
-    def __init__(self, core: StoreCore, segment: SharedSegment, config: DiskConfig) -> None:
+    def __init__(
+        self,
+        core: StoreCore,
+        segment: SharedSegment,
+        config: DiskConfig,
+        tenants: Sequence[TenantLimits] = (),
+    ) -> None:
         assert config.path is not None  # DiskConfig refuses enabled without a path
         self.core = core
         self.segment = segment
@@ -101,7 +109,12 @@ class DiskBackend:
         self.root = Path(config.path)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_fd = _lock_directory(self.root)
-        self.catalog = DiskCatalog(self.root, int(config.capacity))
+        self.catalog = DiskCatalog(
+            self.root,
+            int(config.capacity),
+            tenants,
+            None if config.default_quota is None else int(config.default_quota),
+        )
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
         self.spill_queue = 0  # chunks the last spill round found to copy (at most a batch)
         self._counter_lock = threading.Lock()
@@ -153,11 +166,7 @@ class DiskBackend:
             window = self.spill_window()
             if not window:
                 return SpillRound(0, 0, "below the high watermark")
-            batch = self.core.pin_coldest(
-                window,
-                int(self.config.max_batch_bytes),
-                lambda ns_id, key: (ns_id, key) in self.catalog,
-            )
+            batch = self.core.pin_coldest(window, int(self.config.max_batch_bytes), self._skip)
             self.spill_queue = len(batch)
             if not batch:
                 return SpillRound(0, 0, "nothing to copy")
@@ -169,13 +178,34 @@ class DiskBackend:
             evicted: list[DiskEntry] = []
             for entry in written:
                 evicted += self.catalog.add(entry)
-            # logged after the catalog changed (``NodeStore.snapshot`` relies on that order)
-            self._log(EventKind.STORED, written)
-            self._log(EventKind.REMOVED, evicted)
             self._remove_files(evicted)
-            moved = sum(entry.header.size for entry in written)
-            self._count(spilled_chunks=len(written), spilled_bytes=moved)
-            return SpillRound(len(written), moved)
+            # a file refused by its tenant's quota (or the others' floors) was never stored
+            refused = {_id(entry) for entry in evicted} & {_id(entry) for entry in written}
+            stored = [entry for entry in written if _id(entry) not in refused]
+            # logged after the catalog changed (``NodeStore.snapshot`` relies on that order)
+            self._log(EventKind.STORED, stored)
+            self._log(EventKind.REMOVED, [e for e in evicted if _id(e) not in refused])
+            moved = sum(entry.header.size for entry in stored)
+            self._count(spilled_chunks=len(stored), spilled_bytes=moved)
+            return SpillRound(len(stored), moved)
+
+    def _skip(self, ns_id: bytes, key: bytes) -> bool:
+        """Not to be copied: on disk already, or its tenant's disk quota and the others'
+        floors leave it no room (it would be written and refused, again every round)."""
+        if (ns_id, key) in self.catalog:
+            return True
+        try:
+            info = self.core.namespace(ns_id)
+        except KvtierError:  # retired: no one will ask for it
+            return True
+        return not self.catalog.admits(info.namespace.cache_salt, HEADER_BYTES + info.chunk_bytes)
+
+    def _salt(self, ns_id: bytes) -> str | None:
+        """The namespace's cache_salt digest (its tenant); None once it is retired."""
+        try:
+            return self.core.namespace(ns_id).namespace.cache_salt
+        except KvtierError:
+            return None
 
     def _write(self, batch: list) -> list[DiskEntry]:
         """Write the pinned chunks' files; the ones durable when this returns."""
@@ -184,7 +214,10 @@ class DiskBackend:
         for entry, location in batch:
             views = self._views(location)
             checksum = entry.checksum or checksum_views(views)
-            header = ChunkHeader(entry.namespace, entry.key, entry.size, checksum)
+            salt = self._salt(entry.namespace)
+            if salt is None:  # its namespace was retired meanwhile: no one will ask for it
+                continue
+            header = ChunkHeader(entry.namespace, entry.key, entry.size, checksum, salt)
             path = chunk_path(self.root, entry.namespace, entry.key)
             start = time.perf_counter()
             try:
@@ -370,6 +403,9 @@ class DiskBackend:
         out["disk_used_bytes"] = self.catalog.used
         out["disk_capacity_bytes"] = self.catalog.capacity
         out["disk_last_write_error"] = self.last_write_error
+        out["disk_quota_evictions"] = self.catalog.quota_evictions
+        out["disk_refused_files"] = self.catalog.refused
+        out.update(self.catalog.tenant_stats())
         return out
 
     def close(self) -> None:

@@ -3,8 +3,13 @@ done, and how it is read back and checked.
 
 A chunk file is a 4 KiB header and the chunk's bytes::
 
-    magic "KVTDISK1" | version u32 | ns_len u16 | key_len u16 | size u64 | checksum u64
-    | header checksum u64 | ns_id | key | zero padding to 4096 | size bytes of data
+    magic "KVTDISK1" | version u32 | ns_len u16 | key_len u16 | salt_len u16 | size u64
+    | checksum u64 | header checksum u64 | ns_id | key | salt | zero padding to 4096
+    | size bytes of data
+
+``salt`` is the namespace's ``cache_salt`` digest (``kvtier.core.keys.salt_digest``, '' when
+unsalted, never the salt): which tenant the file counts against, known again after a restart
+before any engine has registered the namespace.
 
 ``checksum`` is the pool's (XXH3-64 of the data, 0 mapped to 1: ``checksum_views``), so a
 chunk staged back into the pool is committed with the checksum its loads verify. The header
@@ -41,9 +46,9 @@ import numpy as np
 import xxhash
 
 MAGIC = b"KVTDISK1"
-VERSION = 1
+VERSION = 2  # 1: no salt (its files are removed by the next scan)
 HEADER_BYTES = 4096
-_FIELDS = struct.Struct("<8sIHHQQ")  # magic, version, ns_len, key_len, size, checksum
+_FIELDS = struct.Struct("<8sIHHHQQ")  # magic, version, ns/key/salt lengths, size, checksum
 _HEADER_SUM = struct.Struct("<Q")
 TMP_MARK = ".tmp-"
 _tmp_counter = itertools.count()
@@ -61,6 +66,7 @@ class ChunkHeader:
     key: bytes
     size: int
     checksum: int
+    salt: str = ""  # the namespace's cache_salt digest: its tenant
 
 
 def chunk_path(root: Path, ns_id: bytes, key: bytes) -> Path:
@@ -70,10 +76,17 @@ def chunk_path(root: Path, ns_id: bytes, key: bytes) -> Path:
 
 
 def encode_header(header: ChunkHeader) -> bytes:
+    salt = header.salt.encode()
     fields = _FIELDS.pack(
-        MAGIC, VERSION, len(header.ns_id), len(header.key), header.size, header.checksum
+        MAGIC,
+        VERSION,
+        len(header.ns_id),
+        len(header.key),
+        len(salt),
+        header.size,
+        header.checksum,
     )
-    body = fields + header.ns_id + header.key
+    body = fields + header.ns_id + header.key + salt
     out = (
         body[: _FIELDS.size]
         + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))
@@ -89,17 +102,22 @@ def decode_header(raw: bytes) -> ChunkHeader:
     fixed = _FIELDS.size + _HEADER_SUM.size
     if len(raw) < fixed:
         raise BadChunkFile(f"header cut short at {len(raw)} bytes")
-    magic, version, ns_len, key_len, size, checksum = _FIELDS.unpack_from(raw)
+    magic, version, ns_len, key_len, salt_len, size, checksum = _FIELDS.unpack_from(raw)
     if magic != MAGIC or version != VERSION:
         raise BadChunkFile(f"not a kvtier chunk file (magic {magic!r}, version {version})")
-    end = fixed + ns_len + key_len
+    end = fixed + ns_len + key_len + salt_len
     if end > min(len(raw), HEADER_BYTES):
         raise BadChunkFile("header cut short")
     (stored_sum,) = _HEADER_SUM.unpack_from(raw, _FIELDS.size)
     names = raw[fixed:end]
     if xxhash.xxh3_64_intdigest(raw[: _FIELDS.size] + names) != stored_sum:
         raise BadChunkFile("header checksum does not match")
-    return ChunkHeader(names[:ns_len], names[ns_len:], size, checksum)
+    ns_id, key = names[:ns_len], names[ns_len : ns_len + key_len]
+    try:
+        salt = names[ns_len + key_len :].decode()
+    except UnicodeDecodeError as exc:
+        raise BadChunkFile("header salt is not text") from exc
+    return ChunkHeader(ns_id, key, size, checksum, salt)
 
 
 def read_header(path: Path) -> ChunkHeader:

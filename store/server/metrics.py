@@ -104,6 +104,9 @@ _TENANT_GAUGES = {
     "tenant_used_bytes": "Bytes a tenant holds (committed or being written)",
     "tenant_quota_bytes": "Most bytes a tenant may hold",
     "tenant_floor_bytes": "Bytes of a tenant no other tenant's allocation may evict",
+    "disk_tenant_used_bytes": "Bytes of chunk files a tenant holds on the disk tier",
+    "disk_tenant_quota_bytes": "Most bytes of chunk files a tenant may hold on the disk tier",
+    "disk_tenant_floor_bytes": "Bytes of a tenant's chunk files never removed for another's",
 }
 # Present when the disk tier is enabled (store.disk).
 _DISK_GAUGES = {
@@ -124,6 +127,9 @@ _DISK_COUNTERS = {
     "disk_bad_files": "Chunk files that failed their checks (torn, truncated, corrupted)",
     "disk_evicted_files": "Chunk files removed (capacity, bad, failed, ENOSPC)",
     "disk_stage_calls": "Stage calls",
+    "disk_quota_evictions": "Chunk files a tenant at its disk quota removed of its own",
+    "disk_refused_files": "Chunk files not kept: over their tenant's disk quota, or the other "
+    "tenants' disk floors left no room",
     "dirty_evictions": "Chunks evicted from the pool before the disk tier copied them (lost)",
 }
 # Present when the remote tier is enabled.

@@ -57,15 +57,7 @@ class StoreLimits:
             max_leased_chunks_per_session=config.max_leased_chunks_per_session,
             max_lease_lifetime_s=config.max_lease_lifetime_s,
             session_timeout_s=config.session_timeout_s,
-            tenants=tuple(
-                TenantLimits(
-                    t.name,
-                    tuple(salt_digest(s.get_secret_value()) for s in t.cache_salts),
-                    None if t.quota is None else int(t.quota),
-                    int(t.floor),
-                )
-                for t in config.tenants
-            ),
+            tenants=tenant_limits(config),
             default_quota_bytes=None if config.default_quota is None else int(config.default_quota),
         )
 
@@ -92,3 +84,21 @@ class StoreLimits:
                 f"does not fit in its {free_pages * page_size} free bytes: allocate at most "
                 f"{limit * page_size} bytes at once",
             )
+
+
+def tenant_limits(config: StoreConfig, disk: bool = False) -> tuple[TenantLimits, ...]:
+    """The configured tenants with their raw salts as the digests namespaces carry, and the
+    pool's quotas and floors (``disk``: the disk tier's)."""
+    return tuple(
+        TenantLimits(
+            t.name,
+            tuple(salt_digest(s.get_secret_value()) for s in t.cache_salts),
+            _bytes(t.disk_quota if disk else t.quota),
+            int(t.disk_floor if disk else t.floor),
+        )
+        for t in config.tenants
+    )
+
+
+def _bytes(value: int | None) -> int | None:
+    return None if value is None else int(value)

@@ -17,6 +17,7 @@ from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.events import EventBatch
 from kvtier.store.api.remote import FetchStatus
 from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.store.disk.files import HEADER_BYTES
 from kvtier.testing.services import disk_env
 from kvtier.tiers import connect
 
@@ -63,6 +64,9 @@ def test_chunks_come_back_from_disk_through_the_store_and_after_a_crash(
         assert "kvtier_store_disk_chunks 4.0" in metrics
         assert "kvtier_store_disk_staged_chunks_total 4.0" in metrics
         assert "kvtier_store_disk_stage_seconds_count 1.0" in metrics
+        # the unsalted namespace is an unlisted tenant: its files counted as "other"
+        file_bytes = 4 * (CHUNK + HEADER_BYTES)
+        assert f'kvtier_store_disk_tenant_used_bytes{{tenant="other"}} {file_bytes:.1f}' in metrics
         admin = GrpcStoreClient(store.address)
         try:
             batches = admin.read_events(1, timeout=1)
