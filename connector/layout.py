@@ -12,9 +12,13 @@ kind. A chunk keeps, per group, exactly what a prefix hit at any chunk boundary 
 
 - full attention (MLA included): every block of the chunk;
 - sliding window ``w``: the chunk's last ``min(blocks_per_chunk, ceil((w - 1) / block_size))``
-  blocks, the only ones vLLM keeps (and attends to) for tokens after the boundary.
+  blocks, the only ones vLLM keeps (and attends to) for tokens after the boundary;
+- Mamba / linear-attention state (vLLM's ``mamba_cache_mode="align"``): the chunk's last
+  block, whose page holds the recurrent state after exactly the chunk's last token (block
+  ``i`` holds the state after ``(i + 1) * block_size`` tokens; blocks whose state vLLM never
+  wrote are its null block, so such a chunk is not saved).
 
-Other kinds (Mamba / linear-attention state, chunked local attention, cross attention) are
+Other kinds (chunked local attention, cross attention, Mamba in other cache modes) are
 refused at start-up with the reason. A single full-attention group gives the bytes (and the
 namespace) of kvtier before groups existed.
 
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 
 FULL = "full"
 SLIDING_WINDOW = "sliding_window"
+MAMBA = "mamba"
 
 
 class UnsupportedModel(ValueError):
@@ -52,14 +57,14 @@ class GroupGeometry:
     """One KV cache group's share of a chunk: its layers and how many of each chunk's blocks
     they keep (the trailing ``kept_blocks``)."""
 
-    kind: str  # FULL or SLIDING_WINDOW
+    kind: str  # FULL, SLIDING_WINDOW or MAMBA
     layer_names: tuple[str, ...]
     kept_blocks: int
     window_tokens: int = 0  # sliding window, in tokens (0: full attention)
     source: int = 0  # vLLM's index of the group (its block table in ``get_block_ids()``)
 
     def label(self) -> str:
-        kind = FULL if self.kind == FULL else f"swa{self.window_tokens}"
+        kind = self.kind if self.kind in (FULL, MAMBA) else f"swa{self.window_tokens}"
         return f"{kind}/keep{self.kept_blocks}*{len(self.layer_names)}"
 
 
@@ -232,7 +237,13 @@ def describe(
             f"kvtier needs one block size and page size across KV cache groups, this model "
             f"has block sizes {sorted(block_sizes)} and page sizes {sorted(page_sizes)}"
         )
-    spec = specs[0]
+    attention = [s for s in specs if _group_kind(s) != MAMBA]
+    if not attention:
+        raise UnsupportedModel(
+            "kvtier stores Mamba state beside attention KV, and this model has no attention "
+            "layers: serve it without kvtier"
+        )
+    spec = attention[0]  # names the KV dtype, heads and the attention kernel's page interior
     block_size = spec.block_size
     chunk_tokens = chunk_tokens_for(chunk_tokens, block_size)
     blocks_per_chunk = chunk_tokens // block_size
@@ -269,6 +280,8 @@ def describe(
     check_parallelism(
         vllm_config.parallel_config, getattr(model.hf_text_config, "num_hidden_layers", None)
     )
+    if any(g.kind == MAMBA for g in group_geometry):
+        _advise_mamba_steps(vllm_config.scheduler_config.max_num_batched_tokens, chunk_tokens)
     identity = ModelIdentity(
         model=model_id or str(model.model),
         revision=str(model.revision or ""),
@@ -325,12 +338,7 @@ def _group_kind(spec: Any) -> str:
 
     name = type(spec).__name__
     if isinstance(spec, MambaSpec):
-        raise UnsupportedModel(
-            f"kvtier does not store Mamba / linear-attention state ({name}): such a prefix "
-            "hit needs the recurrent state at the chunk boundary, which kvtier's chunks do "
-            "not hold yet. Serve this model without kvtier (vLLM's own prefix cache, "
-            "mamba_cache_mode='align', still works)."
-        )
+        return _mamba_kind(spec)
     if isinstance(spec, ChunkedLocalAttentionSpec) or getattr(spec, "attention_chunk_size", None):
         raise UnsupportedModel(
             f"kvtier does not support chunked local attention ({name}, Llama 4 geometry) "
@@ -350,12 +358,52 @@ def _group_kind(spec: Any) -> str:
     )
 
 
+def _mamba_kind(spec: Any) -> str:
+    """A Mamba group kvtier can store: "align" mode, where block ``i`` holds the state after
+    ``(i + 1) * block_size`` tokens, and nothing else in the block table."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise UnsupportedModel(
+            f"kvtier stores Mamba / linear-attention state only with "
+            f"mamba_cache_mode='align' (this engine: {mode!r}), where a block holds the state "
+            "at its last token; enable prefix caching (vLLM then picks 'align')"
+        )
+    extra = (getattr(spec, "num_speculative_blocks", 0), spec.num_prefill_checkpoint_blocks)
+    if any(extra):
+        raise UnsupportedModel(
+            "kvtier does not store Mamba state with speculative decoding or prefill "
+            f"checkpoint blocks (num_speculative_blocks={extra[0]}, "
+            f"num_prefill_checkpoint_blocks={extra[1]}): their states sit in blocks other "
+            "than the one of their boundary"
+        )
+    return MAMBA
+
+
+def _advise_mamba_steps(step_tokens: int, chunk_tokens: int) -> None:
+    """vLLM writes a Mamba layer's state into a block only at the end of a prefill step (and
+    at the prompt's last block boundary): a chunk boundary a step runs past has no state,
+    and that chunk is not saved. Steps of at most a chunk end on every chunk boundary."""
+    if step_tokens > chunk_tokens:
+        log.warning(
+            "kvtier: a Mamba hybrid's chunk is saved only where vLLM wrote the recurrent "
+            "state, at the end of a prefill step; with max_num_batched_tokens=%d over "
+            "chunk_tokens=%d a long prompt's first chunks are not saved (a later prompt "
+            "recomputes them, never a wrong token). For a hit at every chunk boundary set "
+            "--max-num-batched-tokens %d or raise chunk_tokens.",
+            step_tokens,
+            chunk_tokens,
+            chunk_tokens,
+        )
+
+
 def _group_geometry(
     layer_names: list[str], spec: Any, block_size: int, blocks_per_chunk: int, source: int
 ) -> GroupGeometry:
     kind = _group_kind(spec)
     if kind == FULL:
         return GroupGeometry(FULL, tuple(layer_names), blocks_per_chunk, source=source)
+    if kind == MAMBA:  # the state after the chunk's last token: its last block
+        return GroupGeometry(MAMBA, tuple(layer_names), 1, source=source)
     # vLLM keeps (and a hit at a boundary needs) the blocks of the last window - 1 tokens,
     # plus any it retains for speculative decoding (SlidingWindowManager)
     reach = spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)

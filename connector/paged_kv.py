@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from kvtier.connector import cuda_copy
-from kvtier.connector.layout import KvGeometry
+from kvtier.connector.layout import MAMBA, KvGeometry
 from kvtier.connector.metadata import ChunkCopy
 from kvtier.connector.streams import DeviceOrdering, HostOrdering
 from kvtier.core.chunks import extent_pieces
@@ -101,10 +101,50 @@ def page_rows(kv: torch.Tensor, page_bytes: int) -> torch.Tensor:
     )
 
 
+def state_page_rows(states: Sequence[torch.Tensor], page_bytes: int) -> torch.Tensor:
+    """One Mamba layer's state as ``[num_blocks, page_bytes]`` uint8 rows.
+
+    vLLM registers a Mamba layer as a list of views (conv state, SSM state, ...) into one
+    allocation, each blocks first with a block stride of the (padded) page: block ``b``'s
+    state is the page ``[b * page_bytes, (b + 1) * page_bytes)`` from where the first view
+    starts, padding included. Anything else is refused."""
+    if not states:
+        raise UnsupportedLayout("a Mamba layer registered no state tensors")
+    base = states[0]
+    start = base.storage_offset() * base.element_size()
+    for state in states:
+        item = state.element_size()
+        offset = state.storage_offset() * item - start
+        inner = (state[0].numel() if state.shape[0] else 0) * item
+        if (
+            state.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+            or state.stride(0) * item != page_bytes
+            or not state[0].is_contiguous()
+            or offset < 0
+            or offset + inner > page_bytes
+        ):
+            raise UnsupportedLayout(
+                f"a Mamba state view (shape {tuple(state.shape)}, strides {state.stride()}) "
+                f"is not laid out as one {page_bytes}-byte page per block"
+            )
+    storage = storage_bytes(base)
+    if start + base.shape[0] * page_bytes > storage.numel():  # the last page's padding too
+        raise UnsupportedLayout("a Mamba layer's allocation ends inside its last page")
+    return torch.as_strided(storage, (base.shape[0], page_bytes), (page_bytes, 1), start)
+
+
 def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The whole allocation ``tensor`` views, as flat uint8 (offsets address its pages)."""
     flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
     return flat.set_(tensor.untyped_storage())
+
+
+def _rows(kv: torch.Tensor | Sequence[torch.Tensor], page_bytes: int, state: bool) -> torch.Tensor:
+    """A layer's pages: ``state`` for a Mamba layer (one tensor or a list of them)."""
+    if not state:
+        assert isinstance(kv, torch.Tensor)
+        return page_rows(kv, page_bytes)
+    return state_page_rows([kv] if isinstance(kv, torch.Tensor) else kv, page_bytes)
 
 
 def _wide(rows: torch.Tensor) -> torch.Tensor:
@@ -240,7 +280,14 @@ class PagedKV:
         if missing:
             raise ValueError(f"KV caches lack layers {missing[:3]}")
         self.geometry = geometry
-        self.rows = [page_rows(kv_caches[n], geometry.page_bytes) for n in geometry.layer_names]
+        self.rows = [
+            _rows(
+                kv_caches[n],
+                geometry.page_bytes,
+                geometry.groups[geometry.group_of(i)].kind == MAMBA,
+            )
+            for i, n in enumerate(geometry.layer_names)
+        ]
         self.device = self.rows[0].device
         self.is_cuda = self.device.type == "cuda"
         self.ordering: HostOrdering | DeviceOrdering = (

@@ -126,6 +126,20 @@ CASES = [
         lcg_tokens(2 * 256, seed=3, vocab=262144),
     ),
     (
+        # a Mamba hybrid's chunk also holds the recurrent state after its last token
+        "Mamba hybrid (linear attention + full attention), same tokens and shape",
+        Namespace(
+            model="g",
+            dtype="bfloat16",
+            num_layers=4,
+            num_kv_heads=2,
+            head_size=64,
+            kv_layout=f"{HYBRID_PAGES};groups=mamba/keep1*2,full/keep8*2",
+            chunk_tokens=256,
+        ),
+        lcg_tokens(2 * 256, seed=3, vocab=262144),
+    ),
+    (
         # MLA's latent KV is the same on every TP rank: one namespace for every rank and TP
         # size of a stage (tp_rank 0, tp_size 1), one per pipeline stage
         "MLA, pipeline stage 1 of 2, any TP size",

@@ -227,8 +227,8 @@ def make_tiny_gemma3(
 
 def make_tiny_qwen3_next(out_dir: str | Path, *, seed: int = 0) -> Path:
     """A random Qwen3-Next geometry (bf16): a gated-delta-net linear-attention layer (Mamba
-    state, vLLM's ``MambaSpec``) beside a full-attention layer, with a small MoE. kvtier
-    refuses it at start-up: it stores no recurrent state."""
+    state, vLLM's ``MambaSpec``) beside a full-attention layer, with a small MoE. Linear heads
+    are 128 wide: vLLM's CPU kernel refuses narrower ones ("Unexpected head dim size")."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -241,13 +241,15 @@ def make_tiny_qwen3_next(out_dir: str | Path, *, seed: int = 0) -> Path:
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
+        # 2 KiB of attention KV per token against ~66 KiB of recurrent state: vLLM sizes a
+        # block so its attention page holds the state (here 64 tokens, not 544)
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        linear_num_value_heads=1,
+        linear_num_key_heads=1,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
         num_experts=4,

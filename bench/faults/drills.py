@@ -393,6 +393,9 @@ def store_hung(ctx: DrillContext) -> DrillResult:
 
 DECODE = 32  # tokens per request in the concurrent drill
 BLOCK_BYTES = 2 * 2 * 2 * 32 * 32 * 2  # tiny model: layers, K+V, heads, head_dim, 32 tokens, bf16
+# The Qwen3-Next geometry's pages are 64 tokens x 2 KiB, shared by its attention and Mamba
+# groups: 20 of them hold two 456-token prompts (8 attention + 2 state blocks each)
+FAMILY_KV_BYTES = {"qwen3-next": 20 * 64 * 2048}
 
 
 def concurrent_failed_loads(ctx: DrillContext) -> DrillResult:
@@ -422,7 +425,11 @@ def concurrent_failed_loads(ctx: DrillContext) -> DrillResult:
         # 31 blocks of 32 tokens: two 456-token prompts fill 30; decoding past 480 tokens
         # both need one more, and vLLM preempts the newer one
         out = ctx.vllm(
-            phases, config, max_model_len=960, max_num_seqs=8, kv_cache_bytes=31 * BLOCK_BYTES
+            phases,
+            config,
+            max_model_len=960,
+            max_num_seqs=8,
+            kv_cache_bytes=FAMILY_KV_BYTES.get(ctx.family, 31 * BLOCK_BYTES),
         )
         first = ctx.reference(prompts.a)
         decoded = ctx.reference(prompts.b, max_tokens=DECODE)

@@ -32,8 +32,12 @@ from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
 
 CHUNK = 64  # tokens per chunk: two vLLM blocks of 32
 # families whose chunks must be longer for the drill to cover what is particular to them: a
-# 64-token sliding window keeps 2 of a 128-token chunk's 4 blocks (a chunk's tail only)
-FAMILY_CHUNK = {"gemma3-swa": 128}
+# 64-token sliding window keeps 2 of a 128-token chunk's 4 blocks (a chunk's tail only); a
+# Qwen3-Next geometry's blocks are 64 tokens (a chunk keeps its last block's Mamba state)
+FAMILY_CHUNK = {"gemma3-swa": 128, "qwen3-next": 128}
+# vLLM writes Mamba state at the end of prefill steps only: steps of one chunk give every
+# chunk boundary its state (docs/connector.md, the support matrix)
+FAMILY_ENGINE: dict[str, dict] = {"qwen3-next": {"max_num_batched_tokens": 128}}
 PREFIX, TAIL, SHARED = 300, 200, 256  # A = PREFIX tokens; B = A[:SHARED] + TAIL new ones
 VOCAB = (4, 500)
 HOST = "host"
@@ -90,7 +94,7 @@ class DrillContext:
         self.requests = requests
         self.family = family
         self.chunk = FAMILY_CHUNK.get(family, CHUNK)
-        self.engine_args = engine_args or {}
+        self.engine_args = FAMILY_ENGINE.get(family, {}) | (engine_args or {})
         name = "tiny-llama" if family == "llama" else f"tiny-{family}"
         self.model = model or make_family_model(workdir / name, family)
         self.run_dir = workdir / "run"

@@ -8,6 +8,9 @@ leases, and the fault visibly handled.
   (vLLM takes a hybrid model's load failures per request). Every prompt in flight at once
   while every load's second chunk fails its checksum (the other drills: ``kvtier bench
   faults --model-family gemma3-swa``).
+- ``qwen3-next`` (a gated-delta-net layer's Mamba state beside full attention): a chunk keeps
+  the state after its last token, a load fills the state block at the hit boundary; the same
+  concurrent drill, with prefill steps of one chunk (so every chunk boundary has its state).
 - ``llama`` at TP 2: rank 0's copy of a chunk is corrupt while rank 1's is sound; vLLM must
   recompute on both ranks (it does: it takes the union of the ranks' failed blocks).
 """
@@ -37,6 +40,12 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillContext]:
 
 
 @pytest.fixture(scope="module")
+def mamba(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillContext]:
+    # steps of one chunk (run.FAMILY_ENGINE): vLLM writes the state at every chunk boundary
+    yield from context(tmp_path_factory, "qwen3-next")
+
+
+@pytest.fixture(scope="module")
 def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillContext]:
     yield from context(tmp_path_factory, "llama", tensor_parallel_size=2)
 
@@ -56,6 +65,14 @@ def test_hybrid_concurrent_requests_with_corrupt_chunks(hybrid: DrillContext) ->
     result = run(hybrid, "concurrent-failed-loads")
     assert result.recomputes >= 1
     assert result.hits.get("host", 0) > 0  # the phases after the fault hit what was saved
+
+
+def test_mamba_hybrid_concurrent_requests_with_corrupt_chunks(mamba: DrillContext) -> None:
+    prompts = Prompts.make(REQUESTS, 22)
+    mamba.prefetch(prompts.a + prompts.b)
+    result = run(mamba, "concurrent-failed-loads")
+    assert result.recomputes >= 1
+    assert result.hits.get("host", 0) > 0
 
 
 def test_tp2_one_rank_corrupt_recomputes_on_every_rank(tp2: DrillContext) -> None:

@@ -6,7 +6,8 @@ start-up with the reason.
 - tensor parallelism 2: tests/drills/test_model_family_drills.py (its drill's phases after
   the fault are exact TP-2 hits, compared with a TP-2 reference);
 - pipeline parallelism 2 (compiled: vLLM's CPU build fails an assertion in eager mode);
-- linear attention / Mamba state beside full attention (Qwen3-Next geometry): refused;
+- linear attention / Mamba state beside full attention (Qwen3-Next geometry, align mode):
+  exact; other Mamba cache modes refused;
 - fp8 KV caches: exact, and never shared with another KV dtype.
 """
 
@@ -25,8 +26,6 @@ from kvtier.testing.models import (
 )
 from kvtier.testing.services import start_store
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
-
-from support.helpers import vllm_start_failure
 
 pytestmark = pytest.mark.vllm
 
@@ -121,19 +120,32 @@ def test_pipeline_parallel_2_hits_are_exact(tmp_path: Path, run_dir: Path) -> No
     assert metrics[HOST] == 256 + 512
 
 
-def test_a_mamba_hybrid_is_refused_at_start_with_the_reason(tmp_path: Path, run_dir: Path) -> None:
-    """Qwen3-Next geometry: vLLM keeps its Mamba group apart (kvtier implements SupportsHMA)
-    and kvtier stops the engine naming what it cannot store and why, instead of vLLM's
-    "Failed to promote local KV cache specs" it met before."""
+def test_mamba_hybrid_hits_are_exact(tmp_path: Path, run_dir: Path) -> None:
+    """Qwen3-Next geometry (a gated-delta-net layer's recurrent state beside full attention,
+    vLLM's ``mamba_cache_mode="align"``): a chunk keeps its attention blocks and the state
+    after its last token, a load fills the state block at the hit boundary, and every DRAM
+    and GPU hit is exact. Steps of one chunk (``max_num_batched_tokens``) make vLLM write the
+    state at every chunk boundary, so every chunk of a prompt is saved."""
     model = make_tiny_qwen3_next(tmp_path / "qwen3-next")
-    spec = {
-        "model": str(model),
-        "phases": [],
-        "kv_transfer_config": kvtier_transfer_config({"chunk_tokens": 256}),
-    }
-    code, stderr = vllm_start_failure(spec, run_dir)
-    assert code != 0
-    assert "kvtier does not store Mamba / linear-attention state (MambaSpec)" in stderr
+    # vLLM sizes this model's blocks to 64 tokens (the attention page holds the state); 300
+    # and 500: one chunk + a partial one (a hit never takes the last block); 600: two; 140:
+    # none
+    batch = prompts(5, [300, 500, 600, 140])
+    extra = {"chunk_tokens": 256, "min_hit_tokens": {"cpu": 256}}
+    reference, dram, gpu, metrics = dram_round_trip(
+        model, batch, run_dir, extra, engine_args={"max_num_batched_tokens": 256}
+    )
+    assert_exact(reference, dram)
+    assert_exact(reference, gpu)
+    assert [r["num_cached_tokens"] for r in dram] == [256, 256, 512, 0]
+    assert metrics[HOST] == 256 + 256 + 512
+    # a chunk: 4 attention blocks and one state page of 64 tokens x 2 KiB (bf16, 4 KV heads
+    # of 128) each; a load of n chunks moves n chunks' attention and one state page
+    page = 64 * 2 * 4 * 128 * 2
+    saved = metrics["vllm:kvtier_saved_bytes"] / metrics["vllm:kvtier_saved_chunks"]
+    assert saved == (4 + 1) * page
+    assert metrics["vllm:kvtier_loaded_bytes"] == (4 * 4 + 3) * page
+    assert metrics["vllm:kvtier_load_error_blocks"] == 0
 
 
 @pytest.mark.skipif(

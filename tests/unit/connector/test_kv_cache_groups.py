@@ -18,6 +18,7 @@ from kvtier.connector.group_blocks import (
 )
 from kvtier.connector.layout import (
     FULL,
+    MAMBA,
     SLIDING_WINDOW,
     GroupGeometry,
     KvGeometry,
@@ -28,7 +29,7 @@ from kvtier.connector.layout import (
     describe,
 )
 from kvtier.connector.metadata import ChunkCopy
-from kvtier.connector.paged_kv import PagedKV, PoolView
+from kvtier.connector.paged_kv import PagedKV, PoolView, UnsupportedLayout, state_page_rows
 from kvtier.store.client.shm import SharedSegment
 from kvtier.testing.models import make_tiny_llama
 
@@ -107,7 +108,7 @@ def test_chunks_follow_the_model_block_size() -> None:
 @pytest.mark.parametrize(
     ("spec", "reason"),
     [
-        ("mamba", "Mamba / linear-attention state"),
+        ("mamba", "Mamba / linear-attention state only with mamba_cache_mode='align'"),
         ("chunked", "chunked local attention"),
     ],
 )
@@ -129,6 +130,81 @@ def test_unsupported_kinds_are_refused_with_the_reason(spec: str, reason: str) -
     config = kv_cache_config((attention("full"), ["l0"]), (group, ["l1"]))
     with pytest.raises(UnsupportedModel, match=reason):
         describe(None, config, 256, fingerprint=False)  # type: ignore[arg-type]
+
+
+def mamba(**extra: object):
+    """A Mamba group whose (padded) page is the attention groups' page, as vLLM sizes it."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(
+        block_size=BLOCK,
+        shapes=((PAGE // 8,),),
+        dtypes=(torch.float32,),
+        page_size_padded=PAGE,
+        mamba_type="gdn_attention",
+        **({"mamba_cache_mode": "align"} | extra),  # type: ignore[arg-type]
+    )
+
+
+def test_a_mamba_hybrid_chunk_keeps_the_state_after_its_last_token(vllm_config) -> None:
+    config = kv_cache_config((mamba(), ["l0", "l2"]), (attention("full"), ["l1"]))
+    geometry, identity = describe(vllm_config, config, 256, fingerprint=False)
+    assert [g.kind for g in geometry.groups] == [MAMBA, FULL]
+    assert [g.kept_blocks for g in geometry.groups] == [1, 8]
+    assert geometry.chunk_bytes == (2 * 1 + 8) * PAGE
+    assert geometry.kv_layout.endswith(";groups=mamba/keep1*2,full/keep8*1")
+    assert geometry.hits_on_chunk_boundaries
+    assert (identity.num_kv_heads, identity.head_size) == (2, 8)  # the attention group's
+    # block i holds the state after (i + 1) * 32 tokens; vLLM leaves the null block where it
+    # wrote none (a step that ran past the boundary): that chunk cannot be saved
+    state = [NULL] * 7 + [11] + [NULL] * 7 + [NULL]
+    full = list(range(100, 116))
+    assert chunk_save_blocks(geometry, (state, full), 0, NULL) == [(0, (11,)), (1, tuple(full[:8]))]
+    assert chunk_save_blocks(geometry, (state, full), 1, NULL) is None
+    # a load of 2 chunks fills the state at its end (vLLM allocated that one block) and
+    # every attention block
+    table = [NULL] * 15 + [42]
+    got = load_blocks(geometry, (table, full), 0, 16, NULL)
+    assert [(g, b, within) for g, b, within, _ in got if g == 0] == [(0, 15, 0)]
+    assert len([1 for g, *_ in got if g == 1]) == 16
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"mamba_cache_mode": "all"}, "only with mamba_cache_mode='align'"),
+        ({"num_speculative_blocks": 1}, "speculative decoding"),
+        ({"num_prefill_checkpoint_blocks": 1}, "prefill checkpoint blocks"),
+    ],
+)
+def test_mamba_state_kvtier_cannot_place_is_refused(vllm_config, extra, reason) -> None:
+    config = kv_cache_config((mamba(**extra), ["l0"]), (attention("full"), ["l1"]))
+    with pytest.raises(UnsupportedModel, match=reason):
+        describe(vllm_config, config, 256, fingerprint=False)
+
+
+def test_a_model_of_mamba_layers_only_is_refused(vllm_config) -> None:
+    with pytest.raises(UnsupportedModel, match="no attention layers"):
+        describe(vllm_config, kv_cache_config((mamba(), ["l0"])), 256, fingerprint=False)
+
+
+def test_a_mamba_layers_state_views_become_whole_padded_pages() -> None:
+    """vLLM registers a Mamba layer as views (conv, SSM state) into one allocation, a padded
+    page per block: kvtier copies the page whole."""
+    blocks, page = 4, 64
+    raw = torch.zeros(blocks * page, dtype=torch.uint8)
+    conv = torch.as_strided(raw, (blocks, 10), (page, 1), 0)
+    ssm = torch.as_strided(raw.view(torch.float32), (blocks, 5), (page // 4, 1), 4)
+    rows = state_page_rows([conv, ssm], page)
+    assert rows.shape == (blocks, page)
+    rows[2].fill_(7)
+    assert bool((raw[2 * page : 3 * page] == 7).all()) and int(raw[: 2 * page].sum()) == 0
+    assert float(ssm[2, 0]) != 0.0  # the same memory
+    assert state_page_rows([conv], page).data_ptr() == rows.data_ptr()
+    with pytest.raises(UnsupportedLayout, match="one 64-byte page per block"):
+        state_page_rows([torch.as_strided(raw, (blocks, 10), (page // 2, 1), 0)], page)
+    with pytest.raises(UnsupportedLayout, match="one 64-byte page per block"):
+        state_page_rows([conv, torch.as_strided(raw, (blocks - 1, 10), (page, 1), page - 4)], page)
 
 
 def test_mla_is_stored_once_for_every_rank() -> None:
