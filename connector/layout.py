@@ -19,7 +19,7 @@ kind. A chunk keeps, per group, exactly what a prefix hit at any chunk boundary 
   wrote are its null block, so such a chunk is not saved).
 
 Other kinds (chunked local attention, cross attention, Mamba in other cache modes) are
-refused at start-up with the reason. A single full-attention group gives the bytes (and the
+refused at start-up with the reason (``model_support.py``). A single full-attention group gives the bytes (and the
 namespace) of kvtier before groups existed.
 
 Everything that decides a page's bytes goes into the namespace's ``kv_layout`` string
@@ -35,6 +35,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.fingerprint import model_config_fingerprint, weights_fingerprint
+from kvtier.connector.model_support import (
+    FULL,
+    MAMBA,
+    SLIDING_WINDOW,
+    UnsupportedModel,
+    advise_mamba_steps,
+    check_parallelism,
+    group_kind,
+    group_spec,
+)
 from kvtier.core.keys import Namespace
 
 if TYPE_CHECKING:
@@ -42,14 +52,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
-
-FULL = "full"
-SLIDING_WINDOW = "sliding_window"
-MAMBA = "mamba"
-
-
-class UnsupportedModel(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,7 @@ def describe(
     groups = [kv_cache_config.kv_cache_groups[i] for i in sources]
     if not groups:
         raise UnsupportedModel("this model has no KV cache kvtier could store")
-    specs = [_attention_spec(g.kv_cache_spec) for g in groups]
+    specs = [group_spec(g.kv_cache_spec) for g in groups]
     block_sizes = {spec.block_size for spec in specs}
     page_sizes = {spec.page_size_bytes for spec in specs}
     if len(block_sizes) > 1 or len(page_sizes) > 1:
@@ -237,7 +239,7 @@ def describe(
             f"kvtier needs one block size and page size across KV cache groups, this model "
             f"has block sizes {sorted(block_sizes)} and page sizes {sorted(page_sizes)}"
         )
-    attention = [s for s in specs if _group_kind(s) != MAMBA]
+    attention = [s for s in specs if group_kind(s) != MAMBA]
     if not attention:
         raise UnsupportedModel(
             "kvtier stores Mamba state beside attention KV, and this model has no attention "
@@ -281,7 +283,7 @@ def describe(
         vllm_config.parallel_config, getattr(model.hf_text_config, "num_hidden_layers", None)
     )
     if any(g.kind == MAMBA for g in group_geometry):
-        _advise_mamba_steps(vllm_config.scheduler_config.max_num_batched_tokens, chunk_tokens)
+        advise_mamba_steps(vllm_config.scheduler_config.max_num_batched_tokens, chunk_tokens)
     identity = ModelIdentity(
         model=model_id or str(model.model),
         revision=str(model.revision or ""),
@@ -312,94 +314,10 @@ def chunk_tokens_for(configured: int, block_size: int) -> int:
     return chunk
 
 
-def _attention_spec(spec: Any) -> Any:
-    """The one attention spec of a group, or UnsupportedModel saying why there is none."""
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        inner = list(spec.kv_cache_specs.values())
-        if len({(type(s), s.page_size_bytes) for s in inner}) != 1:
-            raise UnsupportedModel(
-                "kvtier needs one page size per KV cache group; this model's layers differ "
-                "within a group (UniformTypeKVCacheSpecs)"
-            )
-        spec = inner[0]
-    _group_kind(spec)  # refuses what it cannot serve
-    return spec
-
-
-def _group_kind(spec: Any) -> str:
-    from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec,
-        FullAttentionSpec,
-        MambaSpec,
-        SlidingWindowSpec,
-    )
-
-    name = type(spec).__name__
-    if isinstance(spec, MambaSpec):
-        return _mamba_kind(spec)
-    if isinstance(spec, ChunkedLocalAttentionSpec) or getattr(spec, "attention_chunk_size", None):
-        raise UnsupportedModel(
-            f"kvtier does not support chunked local attention ({name}, Llama 4 geometry) "
-            "yet: serve this model without kvtier"
-        )
-    if isinstance(spec, SlidingWindowSpec):
-        if getattr(spec, "bounded_replay", False):
-            raise UnsupportedModel(f"kvtier does not support {name} with bounded replay")
-        return SLIDING_WINDOW
-    if isinstance(spec, FullAttentionSpec):
-        # With the hybrid allocator off, vLLM merges sliding-window layers into a full
-        # group that keeps every block: stored whole, like full attention.
-        return FULL
-    raise UnsupportedModel(
-        f"kvtier supports full and sliding-window attention, not {name} (this model's KV "
-        "cache group cannot be stored as pages of consecutive tokens)"
-    )
-
-
-def _mamba_kind(spec: Any) -> str:
-    """A Mamba group kvtier can store: "align" mode, where block ``i`` holds the state after
-    ``(i + 1) * block_size`` tokens, and nothing else in the block table."""
-    mode = getattr(spec, "mamba_cache_mode", "none")
-    if mode != "align":
-        raise UnsupportedModel(
-            f"kvtier stores Mamba / linear-attention state only with "
-            f"mamba_cache_mode='align' (this engine: {mode!r}), where a block holds the state "
-            "at its last token; enable prefix caching (vLLM then picks 'align')"
-        )
-    extra = (getattr(spec, "num_speculative_blocks", 0), spec.num_prefill_checkpoint_blocks)
-    if any(extra):
-        raise UnsupportedModel(
-            "kvtier does not store Mamba state with speculative decoding or prefill "
-            f"checkpoint blocks (num_speculative_blocks={extra[0]}, "
-            f"num_prefill_checkpoint_blocks={extra[1]}): their states sit in blocks other "
-            "than the one of their boundary"
-        )
-    return MAMBA
-
-
-def _advise_mamba_steps(step_tokens: int, chunk_tokens: int) -> None:
-    """vLLM writes a Mamba layer's state into a block only at the end of a prefill step (and
-    at the prompt's last block boundary): a chunk boundary a step runs past has no state,
-    and that chunk is not saved. Steps of at most a chunk end on every chunk boundary."""
-    if step_tokens > chunk_tokens:
-        log.warning(
-            "kvtier: a Mamba hybrid's chunk is saved only where vLLM wrote the recurrent "
-            "state, at the end of a prefill step; with max_num_batched_tokens=%d over "
-            "chunk_tokens=%d a long prompt's first chunks are not saved (a later prompt "
-            "recomputes them, never a wrong token). For a hit at every chunk boundary set "
-            "--max-num-batched-tokens %d or raise chunk_tokens.",
-            step_tokens,
-            chunk_tokens,
-            chunk_tokens,
-        )
-
-
 def _group_geometry(
     layer_names: list[str], spec: Any, block_size: int, blocks_per_chunk: int, source: int
 ) -> GroupGeometry:
-    kind = _group_kind(spec)
+    kind = group_kind(spec)
     if kind == FULL:
         return GroupGeometry(FULL, tuple(layer_names), blocks_per_chunk, source=source)
     if kind == MAMBA:  # the state after the chunk's last token: its last block
@@ -409,52 +327,6 @@ def _group_geometry(
     reach = spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)
     kept = min(blocks_per_chunk, -(-reach // block_size))
     return GroupGeometry(SLIDING_WINDOW, tuple(layer_names), kept, spec.sliding_window, source)
-
-
-def prefix_reuse_refused(vllm_config: VllmConfig) -> str | None:
-    """Why this engine must serve no hits, or None. A hit is exact only where vLLM computes
-    exactly over a cached prefix; where vLLM turns its own prefix caching off for a model it
-    does not (MLA on CPU: vLLM disables it there, and with it forced on vLLM's own hits
-    differ from a recompute too). kvtier then neither loads nor saves for this engine."""
-    if vllm_config.cache_config.enable_prefix_caching:
-        return None
-    model = vllm_config.model_config
-    why = " (vLLM turns it off for MLA on this platform)" if model.use_mla else ""
-    return (
-        f"vLLM's own prefix caching is off for {model.model}{why}: a computation over a "
-        "cached prefix is not known to be exact here, so kvtier serves no hits and saves "
-        "nothing for this engine"
-    )
-
-
-def check_parallelism(parallel: Any, num_layers: int | None = None) -> None:
-    """Refuse layouts whose blocks do not hold ``block_size`` consecutive tokens of one rank's
-    heads: context parallelism (DCP/PCP) spreads a block's tokens over ranks, so a chunk key
-    would name KV that no single rank holds. Pipeline stages must hold equally many layers
-    (``num_layers`` over ``pipeline_parallel_size``): the scheduler sizes every stage's
-    chunks from the first stage's KV cache, as vLLM's scheduler does."""
-    pp = parallel.pipeline_parallel_size
-    if pp > 1 and num_layers is not None:
-        from vllm.distributed.utils import get_pp_indices
-
-        split = [
-            end - start for start, end in (get_pp_indices(num_layers, r, pp) for r in range(pp))
-        ]
-        if len(set(split)) > 1:
-            raise UnsupportedModel(
-                f"kvtier needs pipeline stages of equal layer counts, this model's "
-                f"{num_layers} layers split {split} over {pp} stages: choose a "
-                "pipeline_parallel_size that divides the layer count"
-            )
-    dcp = getattr(parallel, "decode_context_parallel_size", 1) or 1
-    pcp = getattr(parallel, "prefill_context_parallel_size", 1) or 1
-    if dcp > 1 or pcp > 1:
-        raise UnsupportedModel(
-            f"kvtier does not support context parallelism (decode_context_parallel_size={dcp}, "
-            f"prefill_context_parallel_size={pcp}): with it a KV block holds tokens interleaved "
-            "across ranks, which kvtier's chunks cannot name. Run without "
-            "--decode-context-parallel-size/--prefill-context-parallel-size, or without kvtier."
-        )
 
 
 def _cpu_attention_isa(spec: Any, cache_dtype: str) -> str:

@@ -30,8 +30,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector.config import parse_extra_config, with_engine_constraints
 from kvtier.connector.counters import C
 from kvtier.connector.guard import HookGuard
-from kvtier.connector.layout import KvGeometry, ModelIdentity, describe, prefix_reuse_refused
+from kvtier.connector.layout import KvGeometry, ModelIdentity, describe
 from kvtier.connector.metadata import KvtierMetadata, KvtierWorkerMetadata
+from kvtier.connector.model_support import prefix_reuse_refused
 from kvtier.connector.scheduler import ConnectorScheduler
 from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
 from kvtier.connector.worker import ConnectorWorker

@@ -64,7 +64,7 @@ def _refused(model: Path) -> str | None:
     for prefix caching), or None."""
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
 
-    from kvtier.connector.layout import prefix_reuse_refused
+    from kvtier.connector.model_support import prefix_reuse_refused
 
     config = VllmConfig(
         model_config=ModelConfig(model=str(model), dtype="auto"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.connector.layout import prefix_reuse_refused
+from kvtier.connector.model_support import prefix_reuse_refused
 from kvtier.testing.models import make_tiny_deepseek_v2
 
 

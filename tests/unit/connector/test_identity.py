@@ -191,7 +191,7 @@ def test_config_fingerprint_sees_overrides_and_quantization() -> None:
 def test_context_parallel_layouts_are_refused_at_startup() -> None:
     from vllm.config import ParallelConfig
 
-    from kvtier.connector.layout import UnsupportedModel, check_parallelism
+    from kvtier.connector.model_support import UnsupportedModel, check_parallelism
 
     check_parallelism(ParallelConfig())
     for fields in ({"decode_context_parallel_size": 2}, {"prefill_context_parallel_size": 2}):

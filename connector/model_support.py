@@ -1,0 +1,159 @@
+"""What of a model kvtier can store, and the start-up refusals for the rest, each with its
+reason (docs/connector.md, the support matrix).
+
+A KV cache group is of one kind (``group_kind``): full attention (MLA included), sliding
+window, or Mamba / linear-attention state in vLLM's "align" cache mode; ``layout.py`` decides
+what a chunk keeps of each. Refused: chunked local attention, cross attention, Mamba in other
+modes or with speculative / prefill checkpoint blocks, context parallelism, pipeline stages
+of unequal layer counts, and (``prefix_reuse_refused``: served, never cached) engines whose
+own prefix caching vLLM turned off.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+FULL = "full"
+SLIDING_WINDOW = "sliding_window"
+MAMBA = "mamba"
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+def group_spec(spec: Any) -> Any:
+    """A group's one KV cache spec, or UnsupportedModel saying why kvtier cannot store it."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        inner = list(spec.kv_cache_specs.values())
+        if len({(type(s), s.page_size_bytes) for s in inner}) != 1:
+            raise UnsupportedModel(
+                "kvtier needs one page size per KV cache group; this model's layers differ "
+                "within a group (UniformTypeKVCacheSpecs)"
+            )
+        spec = inner[0]
+    group_kind(spec)  # refuses what it cannot serve
+    return spec
+
+
+def group_kind(spec: Any) -> str:
+    """FULL, SLIDING_WINDOW or MAMBA; UnsupportedModel, with the reason, for anything else."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    name = type(spec).__name__
+    if isinstance(spec, MambaSpec):
+        return mamba_kind(spec)
+    if isinstance(spec, ChunkedLocalAttentionSpec) or getattr(spec, "attention_chunk_size", None):
+        raise UnsupportedModel(
+            f"kvtier does not support chunked local attention ({name}, Llama 4 geometry) "
+            "yet: serve this model without kvtier"
+        )
+    if isinstance(spec, SlidingWindowSpec):
+        if getattr(spec, "bounded_replay", False):
+            raise UnsupportedModel(f"kvtier does not support {name} with bounded replay")
+        return SLIDING_WINDOW
+    if isinstance(spec, FullAttentionSpec):
+        # With the hybrid allocator off, vLLM merges sliding-window layers into a full
+        # group that keeps every block: stored whole, like full attention.
+        return FULL
+    raise UnsupportedModel(
+        f"kvtier supports full and sliding-window attention, not {name} (this model's KV "
+        "cache group cannot be stored as pages of consecutive tokens)"
+    )
+
+
+def mamba_kind(spec: Any) -> str:
+    """A Mamba group kvtier can store: "align" mode, where block ``i`` holds the state after
+    ``(i + 1) * block_size`` tokens, and nothing else in the block table."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise UnsupportedModel(
+            f"kvtier stores Mamba / linear-attention state only with "
+            f"mamba_cache_mode='align' (this engine: {mode!r}), where a block holds the state "
+            "at its last token; enable prefix caching (vLLM then picks 'align')"
+        )
+    extra = (getattr(spec, "num_speculative_blocks", 0), spec.num_prefill_checkpoint_blocks)
+    if any(extra):
+        raise UnsupportedModel(
+            "kvtier does not store Mamba state with speculative decoding or prefill "
+            f"checkpoint blocks (num_speculative_blocks={extra[0]}, "
+            f"num_prefill_checkpoint_blocks={extra[1]}): their states sit in blocks other "
+            "than the one of their boundary"
+        )
+    return MAMBA
+
+
+def advise_mamba_steps(step_tokens: int, chunk_tokens: int) -> None:
+    """vLLM writes a Mamba layer's state into a block only at the end of a prefill step (and
+    at the prompt's last block boundary): a chunk boundary a step runs past has no state,
+    and that chunk is not saved. Steps of at most a chunk end on every chunk boundary."""
+    if step_tokens > chunk_tokens:
+        log.warning(
+            "kvtier: a Mamba hybrid's chunk is saved only where vLLM wrote the recurrent "
+            "state, at the end of a prefill step; with max_num_batched_tokens=%d over "
+            "chunk_tokens=%d a long prompt's first chunks are not saved (a later prompt "
+            "recomputes them, never a wrong token). For a hit at every chunk boundary set "
+            "--max-num-batched-tokens %d or raise chunk_tokens.",
+            step_tokens,
+            chunk_tokens,
+            chunk_tokens,
+        )
+
+
+def prefix_reuse_refused(vllm_config: VllmConfig) -> str | None:
+    """Why this engine must serve no hits, or None. A hit is exact only where vLLM computes
+    exactly over a cached prefix; where vLLM turns its own prefix caching off for a model it
+    does not (MLA on CPU: vLLM disables it there, and with it forced on vLLM's own hits
+    differ from a recompute too). kvtier then neither loads nor saves for this engine."""
+    if vllm_config.cache_config.enable_prefix_caching:
+        return None
+    model = vllm_config.model_config
+    why = " (vLLM turns it off for MLA on this platform)" if model.use_mla else ""
+    return (
+        f"vLLM's own prefix caching is off for {model.model}{why}: a computation over a "
+        "cached prefix is not known to be exact here, so kvtier serves no hits and saves "
+        "nothing for this engine"
+    )
+
+
+def check_parallelism(parallel: Any, num_layers: int | None = None) -> None:
+    """Refuse layouts whose blocks do not hold ``block_size`` consecutive tokens of one rank's
+    heads: context parallelism (DCP/PCP) spreads a block's tokens over ranks, so a chunk key
+    would name KV that no single rank holds. Pipeline stages must hold equally many layers
+    (``num_layers`` over ``pipeline_parallel_size``): the scheduler sizes every stage's
+    chunks from the first stage's KV cache, as vLLM's scheduler does."""
+    pp = parallel.pipeline_parallel_size
+    if pp > 1 and num_layers is not None:
+        from vllm.distributed.utils import get_pp_indices
+
+        split = [
+            end - start for start, end in (get_pp_indices(num_layers, r, pp) for r in range(pp))
+        ]
+        if len(set(split)) > 1:
+            raise UnsupportedModel(
+                f"kvtier needs pipeline stages of equal layer counts, this model's "
+                f"{num_layers} layers split {split} over {pp} stages: choose a "
+                "pipeline_parallel_size that divides the layer count"
+            )
+    dcp = getattr(parallel, "decode_context_parallel_size", 1) or 1
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1) or 1
+    if dcp > 1 or pcp > 1:
+        raise UnsupportedModel(
+            f"kvtier does not support context parallelism (decode_context_parallel_size={dcp}, "
+            f"prefill_context_parallel_size={pcp}): with it a KV block holds tokens interleaved "
+            "across ranks, which kvtier's chunks cannot name. Run without "
+            "--decode-context-parallel-size/--prefill-context-parallel-size, or without kvtier."
+        )
