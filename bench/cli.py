@@ -85,6 +85,27 @@ def bench_keys(
     _write(report, json_out)
 
 
+@bench_app.command("disk-io")
+def bench_disk_io(
+    directory: Annotated[
+        Path, typer.Option("--dir", help="where to write (the disk tier's filesystem)")
+    ] = Path("results/disk-io"),
+    chunk: Annotated[str, typer.Option(help="bytes per chunk file (a multiple of 4 KiB)")] = "8MiB",
+    chunks: Annotated[int, typer.Option(help="files per round")] = 32,
+    repeat: Annotated[int, typer.Option(help="rounds, the paths interleaved")] = 3,
+    json_out: JsonOut = None,
+) -> None:
+    """The disk tier's chunk-file writes and reads beside O_DIRECT and the filesystem's
+    sequential floor, on the same bytes (docs/disk.md)."""
+    from dataclasses import asdict
+
+    from kvtier.bench.micro import disk_io
+
+    report = disk_io.run(directory, int(_bytes.validate_python(chunk)), chunks, repeat)
+    typer.echo(disk_io.format_report(report))
+    _write(asdict(report), json_out)
+
+
 @bench_app.command("kv-copy")
 def bench_kv_copy(
     tokens: Annotated[
