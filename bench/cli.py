@@ -201,7 +201,7 @@ def bench_tier_latency(
         str,
         typer.Option(
             help="kvtier, kvtier-disk (its disk tier), kvtier-remote, baseline (no connector), "
-            "peers (lmcache, vllm-offload)"
+            "peers (lmcache, lmcache-disk: its L2 on the filesystem, vllm-offload)"
         ),
     ] = "kvtier,baseline",
     model: Annotated[str | None, typer.Option(help="model dir (default: a random preset)")] = None,

@@ -117,6 +117,11 @@ class C:
         "Chunks not committed: computed in a step over blocks whose load failed",
     )
     SAVE_ERRORS = Counter("save_errors", "Saves that failed (allocation, copy or commit)")
+    SAVE_NO_STATE = Counter(
+        "save_no_state",
+        "Chunks of a Mamba hybrid not saved: vLLM wrote no recurrent state at their end (a "
+        "prefill step ran past it)",
+    )
     # the disk tier
     DISK_STAGED_CHUNKS = Counter("disk_staged_chunks", "Chunks staged from this node's disk")
     DISK_STAGED_BYTES = Counter("disk_staged_bytes", "Bytes staged from this node's disk")

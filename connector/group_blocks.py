@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.connector.layout import KvGeometry
+from kvtier.connector.layout import MAMBA, KvGeometry
 
 GroupBlocks = Sequence[Sequence[int]]  # per vLLM KV cache group: the request's block ids
 
@@ -45,6 +45,24 @@ def chunk_save_blocks(
             return None
         out.append((index, ids))
     return out
+
+
+def lacks_state_only(
+    geometry: KvGeometry, blocks: GroupBlocks, chunk: int, null_block: int
+) -> bool:
+    """Chunk ``chunk`` cannot be saved only because vLLM wrote no Mamba state at its end (a
+    step ran past the boundary), not because a block was freed or is missing."""
+    bpc = geometry.blocks_per_chunk
+    lacking = False
+    for index, group in enumerate(geometry.groups):
+        table = blocks[group.source]
+        ids = table[chunk * bpc + geometry.kept_from(index) : (chunk + 1) * bpc]
+        whole = len(ids) == group.kept_blocks and null_block not in ids
+        if not whole:
+            if group.kind != MAMBA or len(ids) != group.kept_blocks:
+                return False
+            lacking = True
+    return lacking
 
 
 def load_blocks(

@@ -19,8 +19,8 @@ kind. A chunk keeps, per group, exactly what a prefix hit at any chunk boundary 
   wrote are its null block, so such a chunk is not saved).
 
 Other kinds (chunked local attention, cross attention, Mamba in other cache modes) are
-refused at start-up with the reason (``model_support.py``). A single full-attention group gives the bytes (and the
-namespace) of kvtier before groups existed.
+refused at start-up with the reason (``model_support.py``). A single full-attention group
+gives the bytes (and the namespace) of kvtier before groups existed.
 
 Everything that decides a page's bytes goes into the namespace's ``kv_layout`` string
 (platform, backend layout, CPU attention ISA, block size, page size, groups), so two

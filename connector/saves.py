@@ -39,7 +39,12 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 from kvtier.connector.counters import SAVE_STATUS, C, Counter
-from kvtier.connector.group_blocks import GroupBlocks, chunk_save_blocks, real_blocks
+from kvtier.connector.group_blocks import (
+    GroupBlocks,
+    chunk_save_blocks,
+    lacks_state_only,
+    real_blocks,
+)
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.lookup import RequestState
 from kvtier.connector.metadata import ChunkCopy, SaveJob
@@ -206,7 +211,11 @@ class SavePlanner:
         # before it (a hit needs a prefix): start after the last such chunk
         missing = [i for i, got in enumerate(per_chunk) if got is None]
         if missing:
-            self._count(C.SAVE_ERRORS, len(missing))
+            no_state = sum(
+                lacks_state_only(geo, blocks, start + i, self.null_block) for i in missing
+            )
+            self._count(C.SAVE_NO_STATE, no_state)
+            self._count(C.SAVE_ERRORS, len(missing) - no_state)
             start, per_chunk = start + missing[-1] + 1, per_chunk[missing[-1] + 1 :]
         if end <= start:
             return None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.bench.engine.tier_latency import Report, _collect, _moved_per_token
+from kvtier.bench.engine.tier_latency import Report, _collect, _moved_per_token, last_error
 from kvtier.store.client.shm import page_aligned_empty
 from kvtier.testing.models import vllm_env
 from kvtier.testing.vllm_driver import kvtier_transfer_config, run_vllm
@@ -52,25 +52,7 @@ def run_disk(
             "lookup_deadline_s": 90.0,  # a stage is given its whole timeout
             "min_hit_tokens": {"cpu": 256, "disk": 256},
         }
-        warm = {"op": "generate", "prompts": [warmup], "max_tokens": 1}
-        phases: list[dict] = [warm, warm]
-        labels: list[tuple[str, int] | None] = [None, None]
-        for (length, _), prompt in prompts.items():
-            for tier in ("miss", "gpu"):
-                request = prompt + suffixes[tier]
-                phases.append({"op": "generate", "prompts": [request], "max_tokens": 1})
-                labels.append((tier, length))
-            # every chunk on disk before the next prompt's saves evict it from DRAM
-            phases += [{"op": "settle"}, {"op": "sleep", "seconds": 0.5}]
-            labels += [None, None]
-        for (length, _), prompt in prompts.items():
-            phases.append({"op": "reset_prefix_cache"})
-            phases.append(
-                {"op": "generate", "prompts": [prompt + suffixes["disk"]], "max_tokens": 1}
-            )
-            labels += [None, ("disk", length)]
-        phases.append({"op": "metrics"})
-        labels.append(None)
+        phases, labels = _disk_phases(prompts, warmup, suffixes, "disk")
         spec = {**spec_base, "phases": phases, "kv_transfer_config": kvtier_transfer_config(extra)}
         progress(f"kvtier-disk: {len(prompts)} prompts x miss, gpu, then disk")
         results = run_vllm(spec, vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir)), timeout=7200)
@@ -80,6 +62,76 @@ def run_disk(
         report.disk_floors = disk_floors(disk, report)
     finally:
         store.stop()
+
+
+def _disk_phases(
+    prompts: dict, warmup: list[int], suffixes: dict[str, list[int]], tier: str
+) -> tuple[list[dict], list[tuple[str, int] | None]]:
+    """Each prompt computed and hit on the GPU, its saves settled (copied to disk) before the
+    next prompt's evict it from DRAM; then each sent again after vLLM's cache is reset: from
+    the tier below DRAM (``tier``), or from DRAM for the last ones still there."""
+    warm = {"op": "generate", "prompts": [warmup], "max_tokens": 1}
+    phases: list[dict] = [warm, warm]
+    labels: list[tuple[str, int] | None] = [None, None]
+    for (length, _), prompt in prompts.items():
+        for kind in ("miss", "gpu"):
+            request = prompt + suffixes[kind]
+            phases.append({"op": "generate", "prompts": [request], "max_tokens": 1})
+            labels.append((kind, length))
+        phases += [{"op": "settle"}, {"op": "sleep", "seconds": 0.5}]
+        labels += [None, None]
+    for (length, _), prompt in prompts.items():
+        phases.append({"op": "reset_prefix_cache"})
+        phases.append({"op": "generate", "prompts": [prompt + suffixes["disk"]], "max_tokens": 1})
+        labels += [None, (tier, length)]
+    phases.append({"op": "metrics"})
+    labels.append(None)
+    return phases, labels
+
+
+def run_lmcache_disk(
+    report: Report,
+    prompts: dict,
+    warmup: list[int],
+    suffixes: dict[str, list[int]],
+    spec_base: dict,
+    tmp: Path,
+    pool_bytes: int,
+    progress: Callable[[str], None],
+) -> None:
+    """The same phases with LMCache 0.5 (``lmcache server`` + ``LMCacheMPConnector``): an L1
+    the size of kvtier-disk's pool and its native filesystem L2 (``fs_native``) on the same
+    filesystem. vLLM labels LMCache's hits ``external_unspecified`` whichever of its tiers
+    served them; the L1 holds about two of the longest prompts, so the earlier ones come
+    back from its L2 (the report says how many files its L2 held)."""
+    from kvtier.bench.peers.lmcache import PRELOAD, LMCacheServer
+
+    l2 = tmp / "lmcache-l2"
+    l2.mkdir(parents=True, exist_ok=True)
+    server = LMCacheServer(tmp / "lmcache-disk.log", l1_gb=pool_bytes / 1e9, l2_disk=l2)
+    server.start()
+    try:
+        phases, labels = _disk_phases(prompts, warmup, suffixes, "l2")
+        spec = {
+            **spec_base,
+            "phases": phases,
+            "kv_transfer_config": server.kv_transfer_config(),
+            "preload": [PRELOAD],
+        }
+        progress(f"lmcache-disk: {len(prompts)} prompts x miss, gpu, then its L2")
+        try:
+            results = run_vllm(spec, vllm_env(), timeout=7200)
+        except RuntimeError as exc:
+            report.failures["lmcache-disk"] = last_error(str(exc))
+            return
+        _collect(report, "lmcache-disk", results, labels)
+        files = [p for p in l2.rglob("*") if p.is_file()]
+        report.notes.append(
+            f"lmcache-disk: its L2 held {len(files)} files, "
+            f"{sum(p.stat().st_size for p in files) >> 20} MiB"
+        )
+    finally:
+        server.stop()
 
 
 def disk_floors(directory: Path, report: Report) -> dict[int, tuple[float, float]]:

@@ -13,7 +13,9 @@ left out of the figures, never averaged in. The same prompts go through a vLLM w
 connector (the miss baseline: what kvtier's saving costs) and through each peer (LMCache) in
 their own processes. Floor: a memcpy of the same KV bytes, measured in this run.
 ``kvtier-disk`` (``tier_disk.py``) adds 4. disk: a prompt evicted from a small DRAM pool, staged
-from the node store's disk tier, beside the filesystem's own write and read of the same bytes.
+from the node store's disk tier, beside the filesystem's own write and read of the same bytes;
+``lmcache-disk`` the same phases through LMCache with an L1 of the same size and its native
+filesystem L2.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class Report:
     moved_bytes_per_token: int = 0  # what a DRAM hit loaded per token (the engine's counters)
     # kvtier-disk: L -> (seconds to write, to read) one file of that prompt's KV bytes
     disk_floors: dict[int, tuple[float, float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # printed under the tables
 
     def p(self, config: str, tier: str, length: int, q: float) -> float | None:
         xs = sorted(
@@ -92,6 +95,8 @@ def _verify(tier: str, length: int, cached: dict[str, float]) -> bool:
         return dram >= mostly and device < 0.1 * length and p2p == 0
     if tier == "remote":
         return p2p >= mostly and device < 0.1 * length
+    if tier == "l2":  # a peer's tier below DRAM; LMCache labels every hit external_unspecified
+        return cached.get("external_unspecified", 0.0) >= mostly and device < 0.1 * length
     raise ValueError(tier)
 
 
@@ -320,11 +325,14 @@ def run(
             if name == "kvtier-remote":
                 _run_remote(report, prompts, warmup, suffix_tokens, spec_base, tmp_path, progress)
                 continue
-            if name == "kvtier-disk":
+            if name in ("kvtier-disk", "lmcache-disk"):
                 pool = max_len * kv_per_token  # fp32-sized: about two bf16 prompts
-                from kvtier.bench.engine.tier_disk import run_disk
+                from kvtier.bench.engine import tier_disk
 
-                run_disk(
+                disk_run = (
+                    tier_disk.run_disk if name == "kvtier-disk" else tier_disk.run_lmcache_disk
+                )
+                disk_run(
                     report, prompts, warmup, suffix_tokens, spec_base, tmp_path, pool, progress
                 )
                 continue
@@ -477,8 +485,8 @@ def print_report(report: Report) -> None:
             "filesystem's floor for the same bytes (write fsynced, read with the page cache "
             "dropped; best of 3)"
         )
-        for col in ("prefix", "miss ms", "dram ms", "disk ms", "disk/miss", "write ms",
-                    "read ms", "read GB/s"):  # fmt: skip
+        for col in ("prefix", "miss ms", "dram ms", "disk ms", "disk/miss", "LMCache L2 ms",
+                    "write ms", "read ms", "read GB/s"):  # fmt: skip
             table.add_column(col, justify="right")
         per_token = report.moved_bytes_per_token or report.kv_bytes_per_token
         for length in report.lengths:
@@ -491,11 +499,14 @@ def print_report(report: Report) -> None:
                 _ms(report.p("kvtier", "dram", length, 50)),
                 _ms(disk_hit),
                 _ratio(disk_hit, miss),
+                _ms(report.p("lmcache-disk", "l2", length, 50)),
                 f"{write * 1e3:.1f}",
                 f"{read * 1e3:.1f}",
                 f"{length * per_token / read / 1e9:.2f}" if read else "-",
             )
         out.print(table)
+    for note in report.notes:
+        out.print(note)
     for name, error in report.failures.items():
         out.print(f"[yellow]{name} does not run this model: {error}")
     for sample in report.rejected():

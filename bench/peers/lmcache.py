@@ -27,7 +27,15 @@ PRELOAD = "kvtier.bench.peers.lmcache_compat"  # must be imported before vLLM in
 class LMCacheServer:
     """``lmcache server`` in its own process group."""
 
-    def __init__(self, log_path: Path, l1_gb: float = 4.0, chunk_size: int = 256) -> None:
+    def __init__(
+        self,
+        log_path: Path,
+        l1_gb: float = 4.0,
+        chunk_size: int = 256,
+        l2_disk: Path | None = None,
+    ) -> None:
+        """``l2_disk``: a directory for LMCache's native filesystem L2 (``fs_native``: files
+        written behind its L1, read back into L1 on a hit)."""
         self.port, self.http_port = free_port(), free_port()
         self.shm_name = f"kvtier_lmc_{os.getpid()}"
         self.log_path = log_path
@@ -55,6 +63,9 @@ class LMCacheServer:
             self.shm_name,
             "--disable-metrics",
         ]
+        if l2_disk is not None:
+            adapter = {"type": "fs_native", "base_path": str(l2_disk)}
+            self.cmd += ["--l2-adapter", json.dumps(adapter)]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120.0) -> None:

@@ -13,6 +13,7 @@ import torch
 from kvtier.connector.group_blocks import (
     UnfillableBlocks,
     chunk_save_blocks,
+    lacks_state_only,
     load_blocks,
     real_blocks,
 )
@@ -161,6 +162,8 @@ def test_a_mamba_hybrid_chunk_keeps_the_state_after_its_last_token(vllm_config) 
     full = list(range(100, 116))
     assert chunk_save_blocks(geometry, (state, full), 0, NULL) == [(0, (11,)), (1, tuple(full[:8]))]
     assert chunk_save_blocks(geometry, (state, full), 1, NULL) is None
+    assert lacks_state_only(geometry, (state, full), 1, NULL)  # counted as such, not an error
+    assert not lacks_state_only(geometry, (state, full[:12]), 1, NULL)  # attention missing
     # a load of 2 chunks fills the state at its end (vLLM allocated that one block) and
     # every attention block
     table = [NULL] * 15 + [42]
