@@ -274,11 +274,12 @@ FAMILIES: dict[str, tuple[Any, str]] = {
 }
 
 
-def make_family_model(out_dir: str | Path, family: str) -> Path:
-    """The tiny random model of an architecture family (``FAMILIES``), written once."""
+def make_family_model(out_dir: str | Path, family: str, seed: int = 0) -> Path:
+    """The tiny random model of an architecture family (``FAMILIES``), written once;
+    another ``seed``: the same architecture with other weights."""
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose from {sorted(FAMILIES)}")
-    return FAMILIES[family][0](out_dir)
+    return FAMILIES[family][0](out_dir, seed=seed)
 
 
 @dataclass(frozen=True)

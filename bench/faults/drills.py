@@ -24,7 +24,7 @@ from kvtier.bench.faults.run import (
     generate,
     tally,
 )
-from kvtier.testing.models import make_tiny_llama
+from kvtier.testing.models import make_family_model
 from kvtier.testing.ports import free_port
 from kvtier.testing.services import (
     Service,
@@ -231,7 +231,7 @@ def weights_changed_in_place(ctx: DrillContext) -> DrillResult:
     model = ctx.workdir / "model-in-place"
     shutil.rmtree(model, ignore_errors=True)
     shutil.copytree(ctx.model, model)
-    other = make_tiny_llama(ctx.workdir / "tiny-llama-seed1", seed=1)
+    other = make_family_model(ctx.workdir / f"tiny-{ctx.family}-seed1", ctx.family, seed=1)
     store = _store(ctx)
     try:
         config = {"store_address": store.address}
