@@ -148,6 +148,39 @@ def test_mamba_hybrid_hits_are_exact(tmp_path: Path, run_dir: Path) -> None:
     assert metrics["vllm:kvtier_load_error_blocks"] == 0
 
 
+def test_mamba_chunks_saved_in_short_steps_load_exactly_into_long_ones(
+    tmp_path: Path, run_dir: Path
+) -> None:
+    """The step size decides which chunks an engine saves, not what a load computes: chunks
+    saved by an engine with 256-token prefill steps, loaded into one with 8,192-token steps,
+    give exactly that engine's own recompute."""
+    model = make_tiny_qwen3_next(tmp_path / "qwen3-next")
+    batch = prompts(6, [600, 900])
+    store = start_store(run_dir, "256MiB", "mamba-node", remote=False)
+    try:
+        extra = {"store_address": store.address, "chunk_tokens": 256}
+        env = vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir))
+
+        def engine(phases: list[dict], steps: int, connector: bool = True) -> list:
+            spec = {
+                "model": str(model),
+                "phases": phases,
+                "kv_transfer_config": kvtier_transfer_config(extra) if connector else None,
+                "engine_args": {"max_num_batched_tokens": steps},
+            }
+            return run_vllm(spec, env)
+
+        engine([{"op": "generate", "prompts": batch}, {"op": "settle"}], 256)
+        (reference,) = engine(
+            [{"op": "generate", "prompts": batch, "prompt_logprobs": True}], 8192, False
+        )
+        (hits,) = engine([{"op": "generate", "prompts": batch}], 8192)
+    finally:
+        store.stop()
+    assert [r["num_cached_tokens"] for r in hits] == [512, 768]
+    assert_exact(reference, hits)
+
+
 @pytest.mark.skipif(
     not FP8_KV_ON_THIS_CPU, reason="vLLM's CPU build runs fp8 KV only with AVX-512 or AMX"
 )
