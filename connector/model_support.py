@@ -99,14 +99,16 @@ def mamba_kind(spec: Any) -> str:
 def advise_mamba_steps(step_tokens: int, chunk_tokens: int) -> None:
     """vLLM writes a Mamba layer's state into a block only at the end of a prefill step (and
     at the prompt's last block boundary): a chunk boundary a step runs past has no state,
-    and that chunk is not saved. Steps of at most a chunk end on every chunk boundary."""
-    if step_tokens > chunk_tokens:
+    and that chunk is not saved. A request prefilled alone in steps that divide a chunk
+    ends a step on every chunk boundary; requests sharing a step's budget end theirs on
+    other block boundaries, and some chunks go unsaved (``save_no_state``)."""
+    if chunk_tokens % step_tokens:
         log.warning(
             "kvtier: a Mamba hybrid's chunk is saved only where vLLM wrote the recurrent "
-            "state, at the end of a prefill step; with max_num_batched_tokens=%d over "
-            "chunk_tokens=%d a long prompt's first chunks are not saved (a later prompt "
-            "recomputes them, never a wrong token). For a hit at every chunk boundary set "
-            "--max-num-batched-tokens %d or raise chunk_tokens.",
+            "state, at the end of a prefill step; max_num_batched_tokens=%d does not divide "
+            "chunk_tokens=%d, so most of a long prompt's chunks are not saved (a later prompt "
+            "recomputes them, never a wrong token). For a state at every chunk boundary set "
+            "--max-num-batched-tokens %d.",
             step_tokens,
             chunk_tokens,
             chunk_tokens,

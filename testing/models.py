@@ -225,10 +225,11 @@ def make_tiny_gemma3(
     return _save_scaled(Gemma3ForCausalLM(config), out, vocab_size, torch.float32)
 
 
-def make_tiny_qwen3_next(out_dir: str | Path, *, seed: int = 0) -> Path:
+def make_tiny_qwen3_next(out_dir: str | Path, *, seed: int = 0, linear_heads: int = 1) -> Path:
     """A random Qwen3-Next geometry (bf16): a gated-delta-net linear-attention layer (Mamba
     state, vLLM's ``MambaSpec``) beside a full-attention layer, with a small MoE. Linear heads
-    are 128 wide: vLLM's CPU kernel refuses narrower ones ("Unexpected head dim size")."""
+    are 128 wide: vLLM's CPU kernel refuses narrower ones ("Unexpected head dim size");
+    ``linear_heads`` of them (2 for tensor parallelism 2: TP splits them)."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -246,8 +247,8 @@ def make_tiny_qwen3_next(out_dir: str | Path, *, seed: int = 0) -> Path:
         num_attention_heads=4,
         num_key_value_heads=4,
         head_dim=128,
-        linear_num_value_heads=1,
-        linear_num_key_heads=1,
+        linear_num_value_heads=linear_heads,
+        linear_num_key_heads=linear_heads,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         moe_intermediate_size=64,

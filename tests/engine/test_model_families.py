@@ -6,8 +6,8 @@ start-up with the reason.
 - tensor parallelism 2: tests/drills/test_model_family_drills.py (its drill's phases after
   the fault are exact TP-2 hits, compared with a TP-2 reference);
 - pipeline parallelism 2 (compiled: vLLM's CPU build fails an assertion in eager mode);
-- linear attention / Mamba state beside full attention (Qwen3-Next geometry, align mode):
-  exact; other Mamba cache modes refused;
+- linear attention / Mamba state beside full attention (Qwen3-Next geometry, align mode): exact
+  at TP 1 and TP 2, and across prefill step sizes (other cache modes: unit-tested refusals);
 - fp8 KV caches: exact, and never shared with another KV dtype.
 """
 
@@ -145,6 +145,28 @@ def test_mamba_hybrid_hits_are_exact(tmp_path: Path, run_dir: Path) -> None:
     saved = metrics["vllm:kvtier_saved_bytes"] / metrics["vllm:kvtier_saved_chunks"]
     assert saved == (4 + 1) * page
     assert metrics["vllm:kvtier_loaded_bytes"] == (4 * 4 + 3) * page
+    assert metrics["vllm:kvtier_load_error_blocks"] == 0
+
+
+def test_mamba_hybrid_tp2_hits_are_exact(tmp_path: Path, run_dir: Path) -> None:
+    """TP 2 splits the linear-attention heads (one per rank) and the KV heads: each rank saves
+    and loads its own state and KV, every hit exact. Steps of one chunk (288 tokens: whole
+    blocks of this model at TP 2) make every chunk boundary a state."""
+    model = make_tiny_qwen3_next(tmp_path / "qwen3-next-2", linear_heads=2)
+    batch = prompts(7, [300, 600])
+    extra = {"chunk_tokens": 288, "min_hit_tokens": {"cpu": 288}}
+    reference, dram, gpu, metrics = dram_round_trip(
+        model,
+        batch,
+        run_dir,
+        extra,
+        engine_args={"max_num_batched_tokens": 288, "tensor_parallel_size": 2},
+        env=TP2_ENV,
+    )
+    assert_exact(reference, dram)
+    assert_exact(reference, gpu)
+    assert [r["num_cached_tokens"] for r in dram] == [288, 576]
+    assert metrics["vllm:kvtier_committed_chunks"] == 2 * 3  # one per rank each
     assert metrics["vllm:kvtier_load_error_blocks"] == 0
 
 
