@@ -113,14 +113,16 @@ def _fire(connector: Any, request: Any, phase: dict) -> None:
         raise ValueError(f"unknown fault {kind!r}")
 
 
-def damage_files(directory: Path, every: int = 1, how: str = "flip") -> int:
+def damage_files(
+    directory: Path, every: int = 1, how: str = "flip", spare: frozenset[Path] = frozenset()
+) -> int:
     """Damage every ``every``-th chunk file under the disk tier's ``directory`` (sorted by
-    path): ``flip`` the last data byte, ``truncate`` the last 100 bytes, or ``header``
-    (flip a byte of the header). Returns how many were damaged."""
+    path) that is not in ``spare``: ``flip`` the last data byte, ``truncate`` the last 100
+    bytes, or ``header`` (flip a byte of the header). Returns how many were damaged."""
     files = sorted(
         p
         for p in directory.rglob("*")
-        if p.is_file() and p.name != ".lock" and ".tmp-" not in p.name
+        if p.is_file() and p.name != ".lock" and ".tmp-" not in p.name and p not in spare
     )
     damaged = 0
     for path in files[::every]:
@@ -206,3 +208,20 @@ def _break_next_copy() -> None:
         raise RuntimeError("injected copy failure")
 
     kv.load_layer = broken
+
+
+def first_chunk_files(llm: Any, directory: Path, prompts: list[list[int]]) -> frozenset[Path]:
+    """The disk tier's files of each prompt's first chunk (rank 0's namespace): what a drill
+    keeps sound so every stage finds one good chunk before the damaged ones, whatever the
+    keys (they change with the model's path) put where in the sorted listing."""
+    from kvtier.core.keys import prompt_keys
+    from kvtier.store.disk.files import chunk_path
+
+    scheduler = scheduler_connector(llm).scheduler
+    namespace = scheduler.identity.namespace(scheduler.geometry, 0)
+    out = set()
+    for prompt in prompts:
+        keys = prompt_keys(namespace, prompt)
+        if keys:
+            out.add(chunk_path(directory, namespace.root_key(), keys[0]))
+    return frozenset(out)

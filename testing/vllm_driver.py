@@ -15,7 +15,9 @@ spec = {"model": path, "kv_transfer_config": {...} | None, "block_size": 32, ...
         as cached, by source (device = its own GPU cache, host = DRAM, p2p = remote)
     {"op": "reset_prefix_cache"}     clears vLLM's own prefix cache only (fails if vLLM refuses)
     {"op": "settle"}                 the engine idle and every store call the connector queued
-                                     done (saves committed, leases released), however long
+                                     done (saves committed, leases released), however long;
+                                     with "address" and "pid", also every committed chunk
+                                     checksummed by that store
     {"op": "store_leases", "address": a, "pid": N}  leases the store holds, settled first;
                                      asked for as long as process N runs (0 once it exited)
     {"op": "metrics"}                vLLM's counters (vllm:* names)
@@ -25,8 +27,10 @@ spec = {"model": path, "kv_transfer_config": {...} | None, "block_size": 32, ...
     {"op": "fault", "kind": ..., ...}  fault injection (``fault_injection.py``): fired right
                                      after a lookup, before its load, once or "every" time
     {"op": "disarm"}                 every fault off
-    {"op": "damage_files", "dir": d, "every": n, "how": "flip"}  damage the disk tier's chunk
-                                     files (``fault_injection.damage_files``); returns how many
+    {"op": "damage_files", "dir": d, "every": n, "how": "flip", "spare_first_of": [prompts]}
+                                     damage the disk tier's chunk files but the first chunk of
+                                     each prompt given (``fault_injection.damage_files``);
+                                     returns how many
 """
 
 from __future__ import annotations
@@ -42,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.testing.fault_injection import arm as arm_fault
-from kvtier.testing.fault_injection import damage_files, scheduler_connector
+from kvtier.testing.fault_injection import damage_files, first_chunk_files, scheduler_connector
 from kvtier.testing.fault_injection import disarm as disarm_faults
-from kvtier.testing.services import store_leases
+from kvtier.testing.services import store_leases, store_stats
 from kvtier.testing.vllm_forkserver import ENV as FORKSERVER_ENV
 from kvtier.testing.vllm_forkserver import run as forked_run
 
@@ -266,6 +270,17 @@ def _settle(llm: Any) -> None:
             executor.submit(lambda: None).result()
 
 
+def _store_checksummed(address: str, pid: int) -> None:
+    """Until the store has computed the checksum of every chunk committed to it (it does so
+    off the writer's path, just after the commit): a lookup with ``verify_loads`` ends before
+    a chunk still without one. Asked for as long as process ``pid`` runs."""
+    while True:
+        stats = store_stats(address, pid)
+        if stats is None or not int(stats.get("unsummed_chunks", 0)):
+            return
+        time.sleep(0.01)
+
+
 def _store_leases(llm: Any, address: str, pid: int, settle_s: float) -> int:
     """Leases the store holds now, this engine alive and idle (its session still open, so a
     leaked lease is still there to count), once the connector has settled (``_settle``). The
@@ -329,6 +344,8 @@ def main(spec: dict) -> list[Any]:
                 results.append(_metrics(llm))
             elif op == "settle":
                 _settle(llm)
+                if "address" in phase:  # and the store's checksums of what was committed
+                    _store_checksummed(phase["address"], phase["pid"])
                 results.append(None)
             elif op == "store_leases":
                 address, pid = phase["address"], phase["pid"]
@@ -346,8 +363,9 @@ def main(spec: dict) -> list[Any]:
                 time.sleep(phase["seconds"])
                 results.append(None)
             elif op == "damage_files":
-                how = phase.get("how", "flip")
-                results.append(damage_files(Path(phase["dir"]), phase.get("every", 1), how))
+                how, directory = phase.get("how", "flip"), Path(phase["dir"])
+                spare = first_chunk_files(llm, directory, phase.get("spare_first_of", []))
+                results.append(damage_files(directory, phase.get("every", 1), how, spare))
             elif op == "connector_timing":
                 if timer is None:
                     timer = _ConnectorTimer(llm)

@@ -4,9 +4,10 @@ Both run a node store with the disk tier (write-through: every chunk copied to d
 ~50 ms) and a 1 MiB pool that the drill overflows, so prompts come back from disk:
 
 - ``disk-bad-files``: A is stored (and copied to disk), filler prompts evict it from DRAM,
-  every other chunk file is damaged, then every B (A's first 256 tokens + 200 new ones) is in
-  flight at once: each stage stops at its first bad file, the rest recomputes, and the step
-  that recomputes also saves B's new chunks. A fresh pass then reads back whatever was saved.
+  every chunk file but each B prompt's first is damaged, then every B (A's first 256 tokens +
+  200 new ones) is in flight at once: each stage loads its first chunk and stops at the
+  next, the rest recomputes, and the step that recomputes also saves B's new chunks. A fresh
+  pass then reads back whatever was saved.
 - ``disk-store-killed``: A is stored and copied to disk, the store is SIGKILLed and another
   started on the same directory; a new instance's B (all in flight) and A hit from disk.
 
@@ -38,8 +39,7 @@ def _disk_store(ctx: DrillContext, disk: Path) -> Service:
 
 def _config(ctx: DrillContext, store: Service) -> dict:
     return {
-        # chunk keys independent of the scratch path, so which files ``damage_files`` picks
-        # (every other one, by key) is the same on every run
+        # chunk keys independent of the scratch path (what the drills' runs share)
         "model_id": "disk-drill",
         "store_address": store.address,
         "tiers": ["cpu", "disk"],
@@ -66,7 +66,10 @@ def disk_bad_files(ctx: DrillContext) -> DrillResult:
     many = {"batch": True}
     try:
         phases = [generate(prompts.a), SETTLE, COPIED, generate(_filler(32)), SETTLE, COPIED]
-        phases += [{"op": "damage_files", "dir": str(disk), "every": 2}, RESET]
+        # every file but each B prompt's first chunk: its stage loads that one and stops at
+        # the next, whatever order the keys (they change with the model's path) put them in
+        damage = {"op": "damage_files", "dir": str(disk), "spare_first_of": prompts.b}
+        phases += [damage, RESET]
         phases += [generate(prompts.b) | many, SETTLE, COPIED, RESET]
         phases += [generate(prompts.b) | many, RESET, generate(prompts.a), METRICS]
         out = ctx.vllm(phases, _config(ctx, store))
@@ -109,8 +112,8 @@ def disk_store_killed(ctx: DrillContext) -> DrillResult:
 
 DISK_DRILLS = {
     "disk-bad-files": (
-        "every other chunk file on the node's disk damaged, then every request in flight at "
-        "once loads from disk; the recomputing step saves 3 new chunks",
+        "every chunk file on the node's disk damaged but each prompt's first, then every "
+        "request in flight at once loads from disk; the recomputing step saves 3 new chunks",
         disk_bad_files,
     ),
     "disk-store-killed": (

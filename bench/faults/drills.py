@@ -75,9 +75,11 @@ def poison_flow(
     store = _store(ctx)
     try:
         config = {"store_address": store.address} | (extra or {})
-        # settled before each B: A's saves are committed when B looks up (else a B that finds
-        # nothing to load never meets the fault, and the drill counts one recompute too few)
-        phases = [generate(prompts.a), SETTLE, RESET, fault(store) | {"every": True}]
+        # settled before each B: A's saves are committed and checksummed when B looks up
+        # (else a B that finds nothing to load never meets the fault, and the drill counts one
+        # recompute too few; with verify_loads a lookup ends before an unsummed chunk)
+        settled = SETTLE | {"address": store.address, "pid": store.pid}
+        phases = [generate(prompts.a), settled, RESET, fault(store) | {"every": True}]
         phases += [generate(prompts.b), live_leases(store), DISARM, RESET, generate(prompts.a)]
         phases += [SETTLE, RESET, generate(prompts.b), live_leases(store), METRICS]
         out = ctx.vllm(phases, config)

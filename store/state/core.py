@@ -523,6 +523,9 @@ class StoreCore:
                 **self.leases.stats(),
                 "sessions": len(self.sessions),
                 "event_seq": self.events.last_seq,
+                # committed chunks whose checksum the store has not computed yet (a lookup
+                # with verify_loads ends before them)
+                "unsummed_chunks": len(self.checksums),
                 **self.counters,
                 **self.tenants.stats(),
             }

@@ -101,9 +101,9 @@ def test_concurrent_requests_with_failed_loads_and_preemption(drills: DrillConte
 
 
 def test_bad_disk_files_are_misses_under_concurrent_loads(drills: DrillContext) -> None:
-    """Half the chunk files damaged: stages stop at them (counted short), what was staged
-    before them loads, nothing damaged is ever loaded, and what the recomputing step saved
-    reads back exactly."""
+    """Every chunk file damaged but each prompt's first: stages stop at the second (counted
+    short), the first loads, nothing damaged is ever loaded, and what the recomputing step
+    saved reads back exactly."""
     result = run(drills, "disk-bad-files")
     assert result.counters["damaged_files"] > 0
     assert result.counters["disk_stage_short"] > 0
