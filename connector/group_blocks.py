@@ -35,16 +35,20 @@ def chunk_save_blocks(
 ) -> list[tuple[int, tuple[int, ...]]] | None:
     """(group, block ids) of chunk ``chunk``'s kept blocks, or None when a kept block is
     not the request's any more (or not allocated): the chunk cannot be saved whole."""
-    bpc = geometry.blocks_per_chunk
     out = []
     for index, group in enumerate(geometry.groups):
-        table = blocks[group.source]
-        first = chunk * bpc + geometry.kept_from(index)
-        ids = tuple(table[first : (chunk + 1) * bpc])
+        ids = _kept_ids(geometry, blocks, chunk, index)
         if len(ids) != group.kept_blocks or null_block in ids:
             return None
         out.append((index, ids))
     return out
+
+
+def _kept_ids(geometry: KvGeometry, blocks: GroupBlocks, chunk: int, group: int) -> tuple[int, ...]:
+    """The block ids of chunk ``chunk`` that group ``group`` keeps (fewer: not allocated)."""
+    bpc = geometry.blocks_per_chunk
+    table = blocks[geometry.groups[group].source]
+    return tuple(table[chunk * bpc + geometry.kept_from(group) : (chunk + 1) * bpc])
 
 
 def lacks_state_only(
@@ -52,14 +56,13 @@ def lacks_state_only(
 ) -> bool:
     """Chunk ``chunk`` cannot be saved only because vLLM wrote no Mamba state at its end (a
     step ran past the boundary), not because a block was freed or is missing."""
-    bpc = geometry.blocks_per_chunk
     lacking = False
     for index, group in enumerate(geometry.groups):
-        table = blocks[group.source]
-        ids = table[chunk * bpc + geometry.kept_from(index) : (chunk + 1) * bpc]
-        whole = len(ids) == group.kept_blocks and null_block not in ids
-        if not whole:
-            if group.kind != MAMBA or len(ids) != group.kept_blocks:
+        ids = _kept_ids(geometry, blocks, chunk, index)
+        if len(ids) != group.kept_blocks:
+            return False
+        if null_block in ids:
+            if group.kind != MAMBA:
                 return False
             lacking = True
     return lacking

@@ -239,7 +239,8 @@ def describe(
             f"kvtier needs one block size and page size across KV cache groups, this model "
             f"has block sizes {sorted(block_sizes)} and page sizes {sorted(page_sizes)}"
         )
-    attention = [s for s in specs if group_kind(s) != MAMBA]
+    kinds = [group_kind(s) for s in specs]
+    attention = [s for s, kind in zip(specs, kinds, strict=True) if kind != MAMBA]
     if not attention:
         raise UnsupportedModel(
             "kvtier stores Mamba state beside attention KV, and this model has no attention "
@@ -250,8 +251,8 @@ def describe(
     chunk_tokens = chunk_tokens_for(chunk_tokens, block_size)
     blocks_per_chunk = chunk_tokens // block_size
     group_geometry = tuple(
-        _group_geometry(g.layer_names, s, block_size, blocks_per_chunk, source)
-        for g, s, source in zip(groups, specs, sources, strict=True)
+        _group_geometry(g.layer_names, s, kind, block_size, blocks_per_chunk, source)
+        for g, s, kind, source in zip(groups, specs, kinds, sources, strict=True)
     )
     cache = vllm_config.cache_config
     model = vllm_config.model_config
@@ -315,9 +316,13 @@ def chunk_tokens_for(configured: int, block_size: int) -> int:
 
 
 def _group_geometry(
-    layer_names: list[str], spec: Any, block_size: int, blocks_per_chunk: int, source: int
+    layer_names: list[str],
+    spec: Any,
+    kind: str,
+    block_size: int,
+    blocks_per_chunk: int,
+    source: int,
 ) -> GroupGeometry:
-    kind = group_kind(spec)
     if kind == FULL:
         return GroupGeometry(FULL, tuple(layer_names), blocks_per_chunk, source=source)
     if kind == MAMBA:  # the state after the chunk's last token: its last block

@@ -66,6 +66,7 @@ from kvtier.store.disk.files import (
 )
 from kvtier.store.remote.demotion import settled_used
 from kvtier.store.state.core import StoreCore
+from kvtier.store.state.entries import NamespaceInfo
 from kvtier.store.state.quotas import TenantLimits
 
 log = logging.getLogger(__name__)
@@ -194,16 +195,16 @@ class DiskBackend:
         floors leave it no room (it would be written and refused, again every round)."""
         if (ns_id, key) in self.catalog:
             return True
-        try:
-            info = self.core.namespace(ns_id)
-        except KvtierError:  # retired: no one will ask for it
+        info = self._namespace(ns_id)
+        if info is None:  # retired: no one will ask for it
             return True
         return not self.catalog.admits(info.namespace.cache_salt, HEADER_BYTES + info.chunk_bytes)
 
-    def _salt(self, ns_id: bytes) -> str | None:
-        """The namespace's cache_salt digest (its tenant); None once it is retired."""
+    def _namespace(self, ns_id: bytes) -> NamespaceInfo | None:
+        """What the namespace was registered with (its cache_salt names its tenant); None
+        once it is retired."""
         try:
-            return self.core.namespace(ns_id).namespace.cache_salt
+            return self.core.namespace(ns_id)
         except KvtierError:
             return None
 
@@ -212,11 +213,12 @@ class DiskBackend:
         done: list[DiskEntry] = []
         dirs: set[Path] = set()
         for entry, location in batch:
+            info = self._namespace(entry.namespace)
+            if info is None:  # retired meanwhile: no one will ask for it
+                continue
             views = self._views(location)
             checksum = entry.checksum or checksum_views(views)
-            salt = self._salt(entry.namespace)
-            if salt is None:  # its namespace was retired meanwhile: no one will ask for it
-                continue
+            salt = info.namespace.cache_salt
             header = ChunkHeader(entry.namespace, entry.key, entry.size, checksum, salt)
             path = chunk_path(self.root, entry.namespace, entry.key)
             start = time.perf_counter()
