@@ -235,10 +235,12 @@ class TierResolver:
         the pool is the one tier (a staging tier must be asked), the request's namespaces are
         registered already, its chunk past ``computed`` costs at most ``INLINE_KEY_CHUNKS``
         chunks of hashing here, and the store's shared view says that chunk is absent on a
-        rank (then no rank can load past it)."""
+        rank (then no rank can load past it). The node's disk is the one staging tier the
+        view can speak for (a store with the disk tier puts its files in the view too)."""
         geo = self.geometry
         first = computed // geo.chunk_tokens
-        if self.staging or "cpu" not in self.config.tiers:
+        with_disk = bool(self.staging)
+        if any(tier.name != "disk" for tier in self.staging) or "cpu" not in self.config.tiers:
             return None
         if first >= state.request.num_tokens // geo.chunk_tokens or first >= INLINE_KEY_CHUNKS:
             return None
@@ -246,7 +248,8 @@ class TierResolver:
         if ns_ids is None:
             return None
         for rank, ns_id in ns_ids.items():
-            if self.pool.known_miss(ns_id, state.keys(rank, first + 1, geo.chunk_tokens)[first:]):
+            keys = state.keys(rank, first + 1, geo.chunk_tokens)[first:]
+            if self.pool.known_miss(ns_id, keys, with_disk):
                 self._count(C.LOOKUPS, 1)
                 self._count(C.LOOKUPS_KNOWN_MISS, 1)
                 self._count(C.LOOKUP_TOKENS, state.request.num_tokens - computed)

@@ -55,7 +55,14 @@ from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
 from kvtier.store.client.control import socket_path
 from kvtier.store.client.shm import SHM_DIR, SharedSegment, checksum_views
-from kvtier.store.client.view import ChunkViewWriter, follow_events, view_bytes_for
+from kvtier.store.client.view import (
+    COVERS_DISK,
+    COVERS_POOL,
+    ChunkViewWriter,
+    add_held,
+    follow_events,
+    view_bytes_for,
+)
 from kvtier.store.disk.backend import DiskBackend
 from kvtier.store.pool.watchdog import start_watchdog, stop_watchdog
 from kvtier.store.state.core import StoreCore
@@ -68,6 +75,9 @@ log = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
 SEGMENT_RE = re.compile(r"kvtier-([A-Za-z0-9_.-]+)-[0-9a-f]{16}")  # what a store names its pool
+
+
+VIEW_DISK_BYTES = 1 << 20  # disk bytes per slot of the shared view
 
 
 class NodeStore(StoreClient, StoreAdmin):
@@ -108,10 +118,14 @@ class NodeStore(StoreClient, StoreAdmin):
         cleanup_stale_segments(run_dir)
         self._lock_path = run_dir / f"{safe}{LOCK_SUFFIX}"
         self._lock_fd = _acquire_lock(self._lock_path, self.segment_name)
-        # the view of committed chunks engines read (store.client.view) follows the pages
-        pages = self.core.capacity_bytes // self.core.page_size
+        # the view of chunks engines read (store.client.view): one slot per pool page (a chunk
+        # takes a page or more) and per MiB of the disk tier, which it covers too (a model's
+        # chunk is MiBs; a disk of smaller ones overfills the view, which then answers nothing)
+        slots = self.core.capacity_bytes // self.core.page_size
+        if config.disk.enabled:
+            slots += int(config.disk.capacity) // max(self.core.page_size, VIEW_DISK_BYTES)
         self.view_offset = -(-int(pool.capacity) // 4096) * 4096 if config.fast_control else 0
-        self.view_bytes = view_bytes_for(pages) if config.fast_control else 0
+        self.view_bytes = view_bytes_for(slots) if config.fast_control else 0
         try:
             self.segment = SharedSegment.create(
                 self.segment_name,
@@ -125,7 +139,11 @@ class NodeStore(StoreClient, StoreAdmin):
         if self.view_bytes:
             view = self.segment.array[self.view_offset : self.view_offset + self.view_bytes]
             self._view = ChunkViewWriter(
-                view.view(np.uint64), self.epoch, config.max_batch_keys, 3 * self._reap_period()
+                view.view(np.uint64),
+                self.epoch,
+                config.max_batch_keys,
+                3 * self._reap_period(),
+                COVERS_POOL | (COVERS_DISK if config.disk.enabled else 0),
             )
             self.core.events.observer = follow_events(self._view)
         # what a crash leaves is removed by the watchdog: the pool, the lock file and the
@@ -158,6 +176,9 @@ class NodeStore(StoreClient, StoreAdmin):
                 self.disk = DiskBackend(
                     self.core, self.segment, config.disk, tenant_limits(config, disk=True)
                 )
+                if self._view is not None:  # the files found on disk, before engines map it
+                    with self.core.events.lock:
+                        add_held(self._view, self.disk.catalog.held(), COVERS_DISK)
             except BaseException:
                 if self.remote is not None:
                     self.remote.close()
@@ -266,6 +287,8 @@ class NodeStore(StoreClient, StoreAdmin):
             stats.update(self.remote.stats())
         if self.disk is not None:
             stats.update(self.disk.stats())
+        if self._view is not None:
+            stats["view_overfull"] = int(self._view.overfull)
         return stats
 
     def snapshot(self) -> Snapshot:

@@ -90,9 +90,10 @@ class PoolTier(abc.ABC):
         """The namespace's id when this tier registered it already, else None (no call)."""
         return None
 
-    def known_miss(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
+    def known_miss(self, ns_id: bytes, keys: Sequence[bytes], with_disk: bool = False) -> bool:
         """True when a lookup of ``keys`` is known to find nothing without a round trip (the
-        store's shared view of its committed chunks). False: look up. Never blocks."""
+        store's shared view of its chunks; ``with_disk``: in the node's disk tier either).
+        False: look up. Never blocks."""
         return False
 
     @abc.abstractmethod

@@ -148,9 +148,9 @@ class CpuTier(PoolBytes):
             self._namespaces.move_to_end(ns_id)
             return ns_id
 
-    def known_miss(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
+    def known_miss(self, ns_id: bytes, keys: Sequence[bytes], with_disk: bool = False) -> bool:
         # an embedded store's lookup is a call in this process: no view needed
-        return not self._in_process and self.store.known_miss(ns_id, keys)
+        return not self._in_process and self.store.known_miss(ns_id, keys, with_disk)
 
     def forget_namespace(self, ns_id: bytes) -> None:
         """The store does not know ``ns_id`` (UNKNOWN_NAMESPACE): register it again next time."""

@@ -42,6 +42,24 @@ from kvtier.core.chunks import Tier
 from kvtier.core.keys import Namespace, salt_digest
 from kvtier.core.keys import key_digest as _digest
 from kvtier.index.api import ChunkOp
+from kvtier.index.ingest.block_records import (
+    COUNT,
+    DONE,
+    END,
+    MEDIA,
+    MEDIUM_TIERS,
+    ONE,
+    PARENT,
+    REFS,
+    SHIFT,
+    START,
+    TAIL,
+    WIN,
+    Block,
+    Keys,
+    Window,
+    tail_of,
+)
 from kvtier.index.ingest.vllm_wire import (
     AllBlocksCleared,
     BlockHash,
@@ -50,41 +68,6 @@ from kvtier.index.ingest.vllm_wire import (
     KvEvent,
 )
 from kvtier.store.api.events import EventKind
-
-MEDIA: dict[str | None, int] = {"GPU": 0, "CPU": 1, "STORAGE": 2, None: 0}
-MEDIUM_TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
-_SHIFT = 20  # bits per medium in a block's packed presence counts
-_ONE = tuple(1 << (_SHIFT * m) for m in range(3))
-_COUNT = (1 << _SHIFT) - 1
-Keys = tuple[bytes, ...]  # one chunk's keys, one per namespace of the instance
-ChunkRef = tuple[Keys, BlockHash]  # a chunk and the block it ends in
-
-
-class _Window:
-    """One chunk's span of tokens along one prefix: shared by the blocks inside it (and by
-    the branches that fork inside it). Lives as long as a block refers to it."""
-
-    __slots__ = ("chain", "first", "live", "nsx", "spans", "start")
-
-    def __init__(self, chain: Keys, start: int, nsx: int, first: BlockHash) -> None:
-        self.chain = chain  # keys of the chunk before the window (the roots at offset 0)
-        self.start = start
-        self.nsx = nsx  # which derived namespace set
-        self.first = first  # hash of its first block (its name in BlockMapper._windows)
-        self.live = 0  # blocks referring to it
-        self.spans: dict[BlockHash, tuple[ChunkRef, ...]] | None = None  # block -> chunks via it
-
-
-# A block's record is a list (creating one costs half a __slots__ object, and the hot path
-# creates one per block). Field indices:
-PARENT = 0  # engine hash of the block before it (None for a prompt's first block)
-START = 1  # token offset of its first token
-END = 2  # token offset after its last token
-WIN = 3  # its _Window; None = opaque
-TAIL = 4  # its own tokens (u32le) while its window is open, else None
-REFS = 5  # presence count per medium, packed (_SHIFT bits each)
-DONE = 6  # keys of the chunks that end in it: tuple[Keys, ...]
-_Block = list  # [parent, start, end, win, tail, refs, done]
 
 
 class BlockMapper:
@@ -101,8 +84,8 @@ class BlockMapper:
         self._nsets: list[tuple[bytes, ...]] = [tuple(ns.root_key() for ns in namespaces)]
         self._nsx: dict[tuple[str, str], int] = {("", ""): 0}
         self.new_namespaces: list[Namespace] = []  # derived ones not yet reported
-        self._blocks: dict[BlockHash, _Block] = {}
-        self._windows: dict[BlockHash, _Window] = {}
+        self._blocks: dict[BlockHash, Block] = {}
+        self._windows: dict[BlockHash, Window] = {}
         self._group: int | None = None  # the full-attention KV cache group we follow
         self._pending: list[list[Any]] = []  # [kind, tier, {ns: [keys]}] in order
         # chunks held per medium, counted: a chunk inside blocks larger than it can be held
@@ -202,12 +185,52 @@ class BlockMapper:
         extra = ev.extra_keys
         plain = extra is None and ev.lora_name is None
         self.counts["blocks"] += len(hashes)
+        start = first = 0 if parent is None else parent[END]
+        C, n = self.chunk_tokens, len(hashes)
+        if not (plain and C % bs == 0 and n * bs >= C and blocks.keys().isdisjoint(hashes)):
+            self._stored_blocks(ev, data, 0, n, parent_hash, parent, first, m)
+            return
+        # Every block is new and plain (a prefill step's blocks): the chunks they complete
+        # whole are made at once, the blocks around them one by one.
+        per = C // bs
+        i = 0
+        while i < n:
+            j = min(n, i + (C - start % C) // bs)  # up to the next chunk boundary
+            if j - i == per:
+                chain = self._chain_after(parent_hash, parent)
+                if chain is not None and hashes[i] not in self._windows:
+                    parent = self._new_chunk(hashes, i, data, (start - first) * 4, parent_hash,
+                                             chain, start, bs, m)  # fmt: skip
+                    parent_hash, start, i = hashes[j - 1], start + C, j
+                    continue
+            parent_hash, parent, start = self._stored_blocks(
+                ev, data, i, j, parent_hash, parent, first, m
+            )
+            i = j
+
+    def _stored_blocks(
+        self,
+        ev: BlockStored,
+        data: bytes,
+        lo: int,
+        hi: int,
+        parent_hash: BlockHash | None,
+        parent: Block | None,
+        first: int,
+        m: int,
+    ) -> tuple[BlockHash | None, Block | None, int]:
+        """``stored`` for blocks ``lo:hi`` of ``ev`` one by one (``data`` holds the tokens of
+        all its blocks, the first at offset ``first``); returns the last block and its end."""
+        hashes, bs, extra, blocks = ev.block_hashes, ev.block_size, ev.extra_keys, self._blocks
+        plain = extra is None and ev.lora_name is None
         width = 4 * bs
-        start = first = fresh = 0 if parent is None else parent[END]
-        one = _ONE[m]
+        start = 0 if parent is None else parent[END]
+        fresh = first  # blocks from offset `fresh` on are new in this event
+        one = ONE[m]
         C = self.chunk_tokens
         get = blocks.get
-        for i, h in enumerate(hashes):
+        for i in range(lo, hi):
+            h = hashes[i]
             blk = get(h)
             if blk is not None:  # already cached (a duplicate block): one more copy
                 self._add_ref(h, blk, m)
@@ -248,10 +271,63 @@ class BlockMapper:
             win = blk[WIN]
             if win is None:  # its parent is unknown (stored before we listened) or opaque
                 self.counts["opaque"] += 1
-            elif blk[TAIL] is not None and win.spans is not None and h in win.spans:
+            elif blk[TAIL] is not None and win.chunks_through(h):
                 # re-stored in the middle of chunks whose other blocks are still cached
                 self._recheck(h, blk, m, EventKind.STORED)
             parent_hash, parent, start = h, blk, end
+        return parent_hash, parent, start
+
+    def _chain_after(
+        self, parent_hash: BlockHash | None, parent: Block | None
+    ) -> tuple[Keys, int] | None:
+        """Keys of the chunk ending at ``parent`` (a chunk boundary) and their namespace set,
+        which a plain block starting the next window continues; None = it cannot be keyed."""
+        if parent is None:
+            return None if parent_hash is not None else (self._nsets[0], 0)
+        win = parent[WIN]
+        if win is None or not parent[DONE]:
+            return None
+        return parent[DONE][-1], win.nsx
+
+    def _new_chunk(
+        self,
+        hashes: list[BlockHash],
+        i: int,
+        data: bytes,
+        offset: int,
+        parent_hash: BlockHash | None,
+        chain_nsx: tuple[Keys, int],
+        start: int,
+        bs: int,
+        m: int,
+    ) -> Block:
+        """``_place`` for the new blocks ``hashes[i : i + C // bs]``, which start a window and
+        fill it (their tokens at ``data[offset:]``): one record each, no walk. Returns the
+        last, which ends the chunk."""
+        C = self.chunk_tokens
+        per = C // bs
+        chain, nsx = chain_nsx
+        body = data[offset : offset + 4 * C]
+        keys = (
+            (_digest(chain[0] + body),)
+            if len(chain) == 1
+            else tuple(_digest(k + body) for k in chain)
+        )
+        path = hashes[i : i + per]
+        win = self._windows[path[0]] = Window(chain, start, nsx, path[0])
+        win.live = per
+        parents = hashes[i - 1 : i + per - 1] if i else [parent_hash, *path[:-1]]
+        one = ONE[m]
+        records: list[Block] = [  # the blocks inside share the chunk's tokens as their tail
+            [ph, s, s + bs, win, body, one, ()]
+            for ph, s in zip(parents, range(start, start + C, bs), strict=True)
+        ]
+        last = records[-1]
+        last[TAIL], last[DONE] = None, (keys,)
+        self._blocks.update(zip(path, records, strict=True))
+        win.add_chunk((keys, path[-1]), path)
+        self._emit(EventKind.STORED, m, win, keys)
+        return last
 
     def removed(self, ev: BlockRemoved) -> None:
         if ev.group_idx is not None and self._group is not None and ev.group_idx != self._group:
@@ -260,15 +336,15 @@ class BlockMapper:
         if m < 0:
             self.counts["unknown_medium"] += 1
             return
-        shift = _SHIFT * m
+        shift = SHIFT * m
         for h in ev.block_hashes:
             blk = self._blocks.get(h)
-            if blk is None or not (blk[REFS] >> shift) & _COUNT:
+            if blk is None or not (blk[REFS] >> shift) & COUNT:
                 self.counts["unknown_hash"] += 1
                 continue
-            if (blk[REFS] >> shift) & _COUNT == 1:
+            if (blk[REFS] >> shift) & COUNT == 1:
                 self._recheck(h, blk, m, EventKind.REMOVED)  # while still counted as held
-            blk[REFS] -= _ONE[m]
+            blk[REFS] -= ONE[m]
             if not blk[REFS]:
                 self._forget(h, blk)
 
@@ -277,15 +353,15 @@ class BlockMapper:
         self._pending.append([EventKind.CLEARED, Tier.GPU, {}])
         self._chunks_held[0] = {}
         for h, blk in list(self._blocks.items()):
-            if blk[REFS] & _COUNT:
-                blk[REFS] &= ~_COUNT
+            if blk[REFS] & COUNT:
+                blk[REFS] &= ~COUNT
                 if not blk[REFS]:
                     self._forget(h, blk)
 
     # -- internals --------------------------------------------------------------------------
 
     def _place(
-        self, h: BlockHash, blk: _Block, parent: _Block | None, tokens: bytes, nsx: int, m: int
+        self, h: BlockHash, blk: Block, parent: Block | None, tokens: bytes, nsx: int, m: int
     ) -> None:
         """Give the new block ``blk`` (present in medium ``m``) its window; compute and emit
         the chunks it completes, or keep its tokens for the block that will."""
@@ -302,7 +378,7 @@ class BlockMapper:
             if start % C == 0:
                 win = self._windows.get(h)
                 if win is None or win.chain != chain:
-                    win = self._windows[h] = _Window(chain, start, nsx, h)
+                    win = self._windows[h] = Window(chain, start, nsx, h)
             else:
                 assert parent is not None
                 win = parent[WIN]
@@ -312,10 +388,10 @@ class BlockMapper:
             if end % C:
                 blk[TAIL] = tokens
                 return
-            shift = _SHIFT * m
+            shift = SHIFT * m
             held = True
             parts, path = [tokens], [h]
-            cur: _Block = blk
+            cur: Block = blk
             get = self._blocks.get
             while cur[START] > win.start:  # gather the window's earlier blocks on this path
                 ph = cur[PARENT]
@@ -324,29 +400,19 @@ class BlockMapper:
                     self._release(blk)  # an ancestor in the window is gone: cannot key it
                     return
                 cur = parent_blk
-                parts.append(cur[TAIL])
+                parts.append(tail_of(cur, win))
                 path.append(ph)
-                if held and not (cur[REFS] >> shift) & _COUNT:
+                if held and not (cur[REFS] >> shift) & COUNT:
                     held = False
             parts.reverse()
             body = b"".join(parts)
             keys = tuple(_digest(k + body) for k in win.chain)
             blk[DONE] = (keys,)
-            one = ((keys, h),)
-            spans = win.spans
-            if spans is None:  # the usual case: the first chunk completed in this window
-                win.spans = dict.fromkeys(path, one)
-            else:
-                for bh in path:
-                    got = spans.get(bh)
-                    if got is None:
-                        spans[bh] = one
-                    elif one[0] not in got:
-                        spans[bh] = got + one
+            win.add_chunk((keys, h), path)
             if held:
                 self._emit(EventKind.STORED, m, win, keys)
         elif start % C == 0 and end % C == 0:  # whole windows in one block
-            win = _Window(chain, start, nsx, h)
+            win = Window(chain, start, nsx, h)
             win.live = 1
             blk[WIN] = win
             done, step = [], 4 * C
@@ -361,8 +427,8 @@ class BlockMapper:
     def _complete(
         self,
         h: BlockHash,
-        blk: _Block,
-        win: _Window,
+        blk: Block,
+        win: Window,
         data: bytes,
         offset: int,
         hashes: list[BlockHash],
@@ -380,19 +446,8 @@ class BlockMapper:
         win.live += 1
         blk[WIN] = win
         blk[DONE] = (keys,)
-        one = ((keys, h),)
         blocks_in_chunk = (blk[END] - win.start) // (blk[END] - blk[START])
-        path = hashes[i + 1 - blocks_in_chunk : i + 1]
-        spans = win.spans
-        if spans is None:
-            win.spans = dict.fromkeys(path, one)
-        else:
-            for bh in path:
-                got = spans.get(bh)
-                if got is None:
-                    spans[bh] = one
-                elif one[0] not in got:
-                    spans[bh] = got + one
+        win.add_chunk((keys, h), hashes[i + 1 - blocks_in_chunk : i + 1])
         self._emit(EventKind.STORED, m, win, keys)
 
     def _namespace_set(self, ev: BlockStored, extra: Any) -> int:
@@ -422,43 +477,43 @@ class BlockMapper:
             self.new_namespaces.extend(derived)
         return nsx
 
-    def _held(self, h: BlockHash, blk: _Block, m: int) -> bool:
+    def _held(self, h: BlockHash, blk: Block, m: int) -> bool:
         """Is the chunk ending in ``blk`` held in medium ``m`` (every block of it present)?"""
-        shift = _SHIFT * m
+        shift = SHIFT * m
         if blk[END] - blk[START] > self.chunk_tokens:  # whole windows in one block
-            return bool((blk[REFS] >> shift) & _COUNT)
+            return bool((blk[REFS] >> shift) & COUNT)
         win = blk[WIN]
-        cur: _Block | None = blk
+        cur: Block | None = blk
         while True:
-            if cur is None or cur[WIN] is not win or not (cur[REFS] >> shift) & _COUNT:
+            if cur is None or cur[WIN] is not win or not (cur[REFS] >> shift) & COUNT:
                 return False
             if cur[START] <= win.start:
                 return True
             cur = self._blocks.get(cur[PARENT])
 
-    def _recheck(self, h: BlockHash, blk: _Block, m: int, kind: EventKind) -> None:
+    def _recheck(self, h: BlockHash, blk: Block, m: int, kind: EventKind) -> None:
         """``blk`` just appeared in medium ``m`` / is about to leave it: emit every chunk
         through it that this completes / breaks."""
         win = blk[WIN]
         if win is None:
             return
         if blk[END] - blk[START] > self.chunk_tokens:
-            if (blk[REFS] >> (_SHIFT * m)) & _COUNT:
+            if (blk[REFS] >> (SHIFT * m)) & COUNT:
                 for keys in blk[DONE]:
                     self._emit(kind, m, win, keys)
             return
-        for keys, end_hash in (win.spans or {}).get(h, ()):
+        for keys, end_hash in win.chunks_through(h):
             last = self._blocks.get(end_hash)
             if last is not None and last[WIN] is win and self._held(end_hash, last, m):
                 self._emit(kind, m, win, keys)
 
-    def _add_ref(self, h: BlockHash, blk: _Block, m: int) -> None:
-        first = not (blk[REFS] >> (_SHIFT * m)) & _COUNT
-        blk[REFS] += _ONE[m]
+    def _add_ref(self, h: BlockHash, blk: Block, m: int) -> None:
+        first = not (blk[REFS] >> (SHIFT * m)) & COUNT
+        blk[REFS] += ONE[m]
         if first:
             self._recheck(h, blk, m, EventKind.STORED)
 
-    def _emit(self, kind: EventKind, m: int, win: _Window, keys: Keys) -> None:
+    def _emit(self, kind: EventKind, m: int, win: Window, keys: Keys) -> None:
         held = self._chunks_held[m]
         name = (win.nsx, keys)
         count = held.get(name, 0)
@@ -487,8 +542,8 @@ class BlockMapper:
             else:
                 got.append(key)
 
-    def _release(self, blk: _Block) -> None:
-        win: _Window | None = blk[WIN]
+    def _release(self, blk: Block) -> None:
+        win: Window | None = blk[WIN]
         blk[WIN] = None
         if win is not None:
             win.live -= 1
@@ -496,7 +551,7 @@ class BlockMapper:
             if not win.live and self._windows.get(first) is win:
                 del self._windows[first]
 
-    def _forget(self, h: BlockHash, blk: _Block) -> None:
+    def _forget(self, h: BlockHash, blk: Block) -> None:
         del self._blocks[h]
         self._release(blk)
 

@@ -108,10 +108,11 @@ class StoreClient(StoreHandle):
         clients then map the segment ``info()`` names."""
         return None
 
-    def known_miss(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
+    def known_miss(self, ns_id: bytes, keys: Sequence[bytes], with_disk: bool = False) -> bool:
         """True when a lookup of ``keys`` is known to find nothing without asking the store
-        (the store's shared view of its committed chunks says the first is absent). False:
-        ask it. Never blocks on the store."""
+        (the store's shared view of its committed chunks says the first is absent; with
+        ``with_disk``, a view that covers the disk tier says it is on neither). False: ask
+        it. Never blocks on the store."""
         return False
 
     @abc.abstractmethod

@@ -370,9 +370,9 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             self._drop_session(own)
             return call(self._own_session())
 
-    def known_miss(self, ns_id: bytes, keys: Sequence[bytes]) -> bool:
+    def known_miss(self, ns_id: bytes, keys: Sequence[bytes], with_disk: bool = False) -> bool:
         info = self._info
-        return info is not None and self._local.known_miss(ns_id, keys, info.epoch)
+        return info is not None and self._local.known_miss(ns_id, keys, info.epoch, with_disk)
 
     def open_own_session(self) -> int:
         """This client's session, opened now if it is not yet (it opens by itself on the first

@@ -73,10 +73,15 @@ class NodeLocalPath:
             self._registered.clear()  # asked of the store until registered again
         self._registered[ns_id] = epoch
 
-    def known_miss(self, ns_id: bytes, keys: Sequence[bytes], epoch: int) -> bool:
-        """True when the view of incarnation ``epoch`` (the client's) says the lookup misses."""
+    def known_miss(
+        self, ns_id: bytes, keys: Sequence[bytes], epoch: int, with_disk: bool = False
+    ) -> bool:
+        """True when the view of incarnation ``epoch`` (the client's) says the lookup misses
+        (``with_disk``: on the store's disk too, which only a view covering it can say)."""
         view = self._view
         if view is None or self._view_epoch != epoch or self._registered.get(ns_id) != epoch:
+            return False
+        if with_disk and not view.covers_disk:
             return False
         if not view.misses(ns_id, keys):
             return False

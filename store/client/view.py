@@ -2,11 +2,17 @@
 lookup that misses answers without a round trip to the store.
 
 Layout (in the pool segment, after the pages; ``StoreInfo.view_offset`` / ``view_bytes``): a
-header of seven little-endian u64 — magic, sequence (a seqlock: odd while the store writes),
+header of eight little-endian u64 — magic, sequence (a seqlock: odd while the store writes),
 the store epoch, the slot count (a power of two), the store's ``max_batch_keys`` (a larger
 lookup is the store's to refuse), when the store last said it is alive (``CLOCK_MONOTONIC``
-ns, which every process on the node shares) and how old that may be — then the slots, one u64
-tag each, an open-addressing set with linear probing: 0 = empty, 1 = a removed tag.
+ns, which every process on the node shares), how old that may be, and which of the store's
+tiers the view covers (``COVERS_POOL``, ``COVERS_DISK``) — then the slots, one u64 tag each,
+an open-addressing set with linear probing: 0 = empty, 1 = a removed tag.
+
+What it holds: every chunk the store could serve from a tier it covers — the committed chunks
+of its pool and, with the disk tier on, the chunk files of its disk (a chunk in both is one
+tag; it leaves the view when it has left both). So an engine whose only staging tier is the
+node's disk also answers its misses without a round trip.
 
 A chunk's tag is its key's first 8 bytes XOR its namespace id's first 8 bytes (both are
 hashes; 0 and 1 are moved to 2 and 3). An engine can compute the tag of a chunk only from its
@@ -39,8 +45,9 @@ import numpy as np
 from kvtier.store.api.events import EventKind, StoreEvent
 from kvtier.store.client.shm import SHM_DIR
 
-MAGIC = 0x6B76746965727631  # "kvtierv1"
-HEADER_WORDS = 7  # magic, sequence, epoch, slots, max batch keys, alive at, max age
+MAGIC = 0x6B76746965727632  # "kvtierv2" (v1 had no coverage word: its readers ask the store)
+HEADER_WORDS = 8  # magic, sequence, epoch, slots, max batch keys, alive at, max age, covers
+COVERS_POOL, COVERS_DISK = 1, 2  # the tiers a view covers (header word 7), one bit each
 EMPTY, TOMBSTONE = 0, 1
 READ_TRIES = 8
 MAX_LOAD = 0.7  # slots in use (live + tombstones) before the writer rebuilds the table
@@ -85,6 +92,12 @@ class ChunkView:
     def valid(self) -> bool:
         return int(self._words[0]) == MAGIC and len(self._slots) == int(self._words[3])
 
+    @property
+    def covers_disk(self) -> bool:
+        """The view holds the store's disk chunks too (the word is set before readers map
+        it, and is 0 only while the view is overfull: then it answers nothing)."""
+        return bool(int(self._words[7]) & COVERS_DISK)
+
     def _slot_of(self, tag: int) -> int | None:
         """The slot holding ``tag`` (linear probing from its home slot), or None."""
         slots, mask = self._slots, self._mask
@@ -121,8 +134,8 @@ class ChunkView:
             seq = int(words[1])
             if seq & 1:
                 continue
-            if int(words[0]) != MAGIC:
-                return None  # retired: its store closed
+            if int(words[0]) != MAGIC or not int(words[7]):
+                return None  # retired (its store closed) or overfull (it holds too many)
             n = 0
             for tag in tags:
                 if not self._probe(tag):
@@ -134,21 +147,32 @@ class ChunkView:
 
 
 class ChunkViewWriter(ChunkView):
-    """The store's side: keeps the set equal to the committed chunks. Not thread-safe: the
-    caller serializes (the store's event log does)."""
+    """The store's side: keeps the set equal to the chunks of the tiers it covers (``covers``,
+    a mask of ``COVERS_*``). Not thread-safe: the caller serializes (the store's event log
+    does)."""
 
     def __init__(
-        self, words: np.ndarray, epoch: int, max_batch_keys: int, max_age_s: float
+        self,
+        words: np.ndarray,
+        epoch: int,
+        max_batch_keys: int,
+        max_age_s: float,
+        covers: int = COVERS_POOL,
     ) -> None:
         super().__init__(words)
         slots = len(words) - HEADER_WORDS
         if slots & (slots - 1):
             raise ValueError("a view's slot count is a power of two")
-        self._live: set[int] = set()
+        self.covers = covers
+        self._live: dict[int, int] = {}  # tag -> the COVERS_* bits of the tiers holding it
         self._used = 0  # live + tombstones
+        # More chunks than slots (small chunks on a large disk): the table would have to leave
+        # some out, which readers would take for misses (lost hits). It answers nothing
+        # instead (coverage word 0: ask the store) until it fits again with room to spare.
+        self.overfull = False
         words[:] = 0
         words[2], words[3], words[4] = epoch, slots, max_batch_keys
-        words[6] = int(max_age_s * 1e9)
+        words[6], words[7] = int(max_age_s * 1e9), covers
         self.alive()
         words[0] = MAGIC
 
@@ -163,21 +187,33 @@ class ChunkViewWriter(ChunkView):
     def _end(self) -> None:
         self._words[1] += 1
 
-    def apply(self, added: list[int], removed: list[int]) -> None:
+    def apply(self, added: list[int], removed: list[int], tier: int = COVERS_POOL) -> None:
+        """``tier`` (one ``COVERS_*`` bit) gained the chunks tagged ``added`` and lost
+        ``removed``; a tag leaves the set when no covered tier holds it."""
         if not added and not removed:
             return
+        live = self._live
         self._begin()
         try:
             for tag in removed:
-                if tag in self._live:
-                    self._live.discard(tag)
-                    self._remove(tag)
+                held = live.get(tag, 0)
+                if held & tier:
+                    if held == tier:
+                        del live[tag]
+                        if not self.overfull:
+                            self._remove(tag)
+                    else:
+                        live[tag] = held & ~tier
             for tag in added:
-                if tag not in self._live:
+                held = live.get(tag, 0)
+                if not held and not self.overfull:
                     if (self._used + 1) > MAX_LOAD * len(self._slots):
                         self._rebuild()
-                    self._live.add(tag)
-                    self._insert(tag)
+                    if not self.overfull:
+                        self._insert(tag)
+                live[tag] = held | tier
+            if self.overfull and len(live) < MAX_LOAD / 2 * len(self._slots):
+                self._rebuild()
         finally:
             self._end()
 
@@ -193,6 +229,8 @@ class ChunkViewWriter(ChunkView):
         self._live.clear()
         self._slots[:] = EMPTY
         self._used = 0
+        self.overfull = False
+        self._words[7] = self.covers
         self._end()
 
     def _insert(self, tag: int) -> None:
@@ -213,32 +251,41 @@ class ChunkViewWriter(ChunkView):
             self._slots[i] = TOMBSTONE
 
     def _rebuild(self) -> None:
-        """Drop the tombstones (inside the caller's write section)."""
+        """Drop the tombstones, or say the view is overfull (inside the caller's write
+        section)."""
         self._slots[:] = EMPTY
         self._used = 0
-        if len(self._live) + 1 > MAX_LOAD * len(self._slots):
-            # more chunks than the view was sized for (it is sized for one per pool page):
-            # keep what fits; a chunk left out reads as a miss, a lost hit, never a wrong byte
-            self._live = set(list(self._live)[: int(MAX_LOAD * len(self._slots)) - 1])
-        for tag in self._live:
-            self._insert(tag)
+        self.overfull = len(self._live) + 1 > MAX_LOAD * len(self._slots)
+        self._words[7] = 0 if self.overfull else self.covers
+        if not self.overfull:
+            for tag in self._live:
+                self._insert(tag)
 
 
 def follow_events(writer: ChunkViewWriter) -> Callable[[Sequence[StoreEvent]], None]:
-    """An ``EventLog`` observer that keeps ``writer`` equal to the committed chunks."""
+    """An ``EventLog`` observer that keeps ``writer`` equal to the chunks of the tiers it
+    covers (the pool's events say tier "cpu", the disk tier's "disk")."""
+    bits = {"cpu": COVERS_POOL, "disk": COVERS_DISK}
 
     def observe(events: Sequence[StoreEvent]) -> None:
-        added: list[int] = []
-        removed: list[int] = []
         for event in events:
-            if event.kind is EventKind.CLEARED:
+            if event.kind is EventKind.CLEARED:  # the pool's and the disk's
                 writer.clear()
-                added, removed = [], []
                 continue
-            if event.tier != "cpu":  # the disk tier's: the view is of the pool only
+            tier = bits.get(event.tier, 0) & writer.covers
+            if not tier:
                 continue
             tags = [tag_of(event.namespace, k) for k in event.keys]
-            (added if event.kind is EventKind.STORED else removed).extend(tags)
-        writer.apply(added, removed)
+            if event.kind is EventKind.STORED:
+                writer.apply(tags, [], tier)
+            else:
+                writer.apply([], tags, tier)
 
     return observe
+
+
+def add_held(writer: ChunkViewWriter, held: dict[bytes, list[bytes]], tier: int) -> None:
+    """Seed ``writer`` with what ``tier`` holds (namespace id -> keys): the disk's chunks a
+    restarted store found before any event told of them. Call under the event log's lock."""
+    tags = [tag_of(ns_id, key) for ns_id, keys in held.items() for key in keys]
+    writer.apply(tags, [], tier)

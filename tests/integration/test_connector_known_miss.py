@@ -1,7 +1,9 @@
 """A lookup that misses costs the scheduler no round trip and no lookup thread: the connector
 asks the store's shared view of its chunks on vLLM's scheduler thread and answers 0 at once
 (``TierResolver.known_miss``). A hit still goes to the store, which leases it; with
-``store.fast_control`` off every lookup does, as before."""
+``store.fast_control`` off every lookup does, as before. With the node's disk as the staging
+tier the view covers the store's disk files too: a chunk only on disk is no known miss (it is
+staged and hit), after a restart as well (the files the store found are in its new view)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from kvtier.connector.layout import KvGeometry, ModelIdentity
 from kvtier.connector.scheduler import ConnectorScheduler
 from kvtier.core.config import StoreConfig
 from kvtier.core.config.connector import ConnectorConfig
-from kvtier.testing.services import store_stats
+from kvtier.testing.services import disk_env, store_stats
 from kvtier.tiers import Tiers, connect
+from kvtier.tiers.disk import DiskTier
 
 from support.helpers import StoreProcess, start_store_process
 
@@ -43,9 +46,15 @@ def _request(req_id: str, tokens: list[int]):
     return Request(req_id, tokens, SamplingParams(max_tokens=1), None)
 
 
-def _scheduler(address: str, fast: bool) -> ConnectorScheduler:
+def _scheduler(address: str, fast: bool, disk: bool = False) -> ConnectorScheduler:
     pool = connect(StoreConfig(address=address, fast_control=fast))
-    scheduler = ConnectorScheduler(CONFIG, GEOMETRY, IDENTITY, Tiers(pool))
+    config, tiers = CONFIG, Tiers(pool)
+    if disk:
+        config = CONFIG.model_copy(
+            update={"tiers": ["cpu", "disk"], "min_hit_tokens": {"cpu": CHUNK, "disk": CHUNK}}
+        )
+        tiers.staging.append(DiskTier(pool, timeout_s=10, chunk_tokens=CHUNK))
+    scheduler = ConnectorScheduler(config, GEOMETRY, IDENTITY, tiers)
     scheduler.bind_blocks(lambda req_id: (list(range(1, 65)),), 0, lambda blocks: None)
     return scheduler
 
@@ -99,3 +108,69 @@ def test_without_fast_control_every_lookup_asks_the_store(store: StoreProcess) -
     finally:
         scheduler.shutdown()
         scheduler.resolver.pool.close()
+
+
+def _lookups(store: StoreProcess) -> tuple[int, int]:
+    """The store's lookups and disk stagings so far."""
+    stats = store_stats(store.address, store.pid)
+    return int(stats["lookups"]), int(stats["disk_staged_chunks"])  # type: ignore[arg-type]
+
+
+def test_with_the_disk_tier_a_miss_on_pool_and_disk_is_known_and_a_disk_chunk_is_staged(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    env = disk_env(tmp_path / "disk")
+    tokens = list(range(4, 4 + 4 * CHUNK + 1))
+    store = start_store_process(run_dir, "16MiB", env=env)
+    try:
+        scheduler = _scheduler(store.address, fast=True, disk=True)
+        try:
+            _answer(scheduler, _request("first", list(range(9000, 9000 + 2 * CHUNK + 1))))
+            before = _lookups(store)
+            hit, asked = _answer(scheduler, _request("miss", tokens))
+            assert (hit, asked) == ((0, False), 1)  # on neither: known, no call
+            assert scheduler.take_stats().get("lookups_known_miss") == 1
+            assert _lookups(store) == before
+            # stored, spilled to disk, then let go by the pool: on disk only
+            ns_id = scheduler.resolver.namespaces(scheduler._state(_request("seed", tokens)))[0]
+            keys = scheduler._requests["seed"].keys(0, 4, CHUNK)
+            pool = scheduler.resolver.pool
+            pool.put(ns_id, keys, [np.full(GEOMETRY.chunk_bytes, 7, np.uint8)] * 4)
+            _wait_for(lambda: _disk_chunks(store) >= 4)
+            pool.delete(ns_id, keys)
+            hit, _ = _answer(scheduler, _request("from-disk", tokens))
+            assert hit[0] == 4 * CHUNK
+            assert scheduler.take_stats().get("lookups_known_miss", 0) == 0
+            assert _lookups(store)[1] == before[1] + 4  # staged from disk
+        finally:
+            scheduler.shutdown()
+            scheduler.resolver.pool.close()
+    finally:
+        store.stop()
+    # a new store incarnation over the same disk: the files it found are in its view
+    again = start_store_process(run_dir, "16MiB", env=env)
+    try:
+        scheduler = _scheduler(again.address, fast=True, disk=True)
+        try:
+            _answer(scheduler, _request("first", list(range(9000, 9000 + 2 * CHUNK + 1))))
+            hit, _ = _answer(scheduler, _request("after-restart", tokens))
+            assert hit[0] == 4 * CHUNK
+            assert scheduler.take_stats().get("lookups_known_miss", 0) == 0
+            other = list(range(50_000, 50_000 + 4 * CHUNK + 1))
+            assert _answer(scheduler, _request("other", other)) == ((0, False), 1)
+        finally:
+            scheduler.shutdown()
+            scheduler.resolver.pool.close()
+    finally:
+        again.stop()
+
+
+def _disk_chunks(store: StoreProcess) -> int:
+    return int(store_stats(store.address, store.pid)["disk_chunks"])  # type: ignore[arg-type]
+
+
+def _wait_for(condition, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)

@@ -13,9 +13,12 @@ import numpy as np
 
 from kvtier.store.api.events import EventKind, StoreEvent
 from kvtier.store.client.view import (
+    COVERS_DISK,
+    COVERS_POOL,
     HEADER_WORDS,
     ChunkView,
     ChunkViewWriter,
+    add_held,
     follow_events,
     tag_of,
     view_bytes_for,
@@ -28,9 +31,13 @@ def key(i: int) -> bytes:
     return i.to_bytes(8, "little") + b"\x5a" * 8
 
 
-def writer(max_chunks: int = 256, max_batch_keys: int = 64) -> ChunkViewWriter:
+def writer(
+    max_chunks: int = 256, max_batch_keys: int = 64, covers: int = COVERS_POOL
+) -> ChunkViewWriter:
     words = np.zeros(view_bytes_for(max_chunks) // 8, dtype=np.uint64)
-    return ChunkViewWriter(words, epoch=7, max_batch_keys=max_batch_keys, max_age_s=5.0)
+    return ChunkViewWriter(
+        words, epoch=7, max_batch_keys=max_batch_keys, max_age_s=5.0, covers=covers
+    )
 
 
 def reader_of(w: ChunkViewWriter) -> ChunkView:
@@ -53,6 +60,43 @@ def test_the_view_follows_stored_removed_and_cleared() -> None:
     assert r.misses(NS, keys)
 
 
+def test_a_view_of_pool_and_disk_holds_a_chunk_until_both_lost_it() -> None:
+    """With the disk tier covered, a chunk spilled to disk and then evicted from the pool
+    stays present (the store can still serve it); it leaves when the disk drops it too. A
+    pool-only view ignores the disk's events, as before."""
+    w = writer(covers=COVERS_POOL | COVERS_DISK)
+    observe = follow_events(w)
+    r = reader_of(w)
+    keys = [key(i) for i in range(4)]
+    assert r.covers_disk and not reader_of(writer()).covers_disk
+    observe([StoreEvent(EventKind.STORED, NS, tuple(keys))])  # committed in the pool
+    observe([StoreEvent(EventKind.STORED, NS, tuple(keys[:2]), tier="disk")])  # spilled
+    observe([StoreEvent(EventKind.REMOVED, NS, tuple(keys))])  # evicted from the pool
+    assert r.prefix_len(NS, keys) == 2
+    observe([StoreEvent(EventKind.STORED, NS, (keys[0],))])  # loaded back into the pool
+    observe([StoreEvent(EventKind.REMOVED, NS, (keys[0], keys[1]), tier="disk")])
+    assert r.prefix_len(NS, keys) == 1  # keys[0] is in the pool still; keys[1] is gone
+    observe([StoreEvent(EventKind.REMOVED, NS, (keys[0],), tier="disk")])  # not on disk now
+    assert r.prefix_len(NS, keys) == 1
+    observe([StoreEvent(EventKind.CLEARED)])  # the store cleared: pool and disk
+    assert r.misses(NS, keys)
+
+    pool_only = writer()
+    follow_events(pool_only)([StoreEvent(EventKind.STORED, NS, tuple(keys), tier="disk")])
+    assert reader_of(pool_only).misses(NS, keys)
+
+
+def test_disk_chunks_found_at_start_are_seeded_and_follow_later_events() -> None:
+    w = writer(covers=COVERS_POOL | COVERS_DISK)
+    observe = follow_events(w)
+    r = reader_of(w)
+    add_held(w, {NS: [key(1), key(2)]}, COVERS_DISK)
+    observe([StoreEvent(EventKind.STORED, NS, (key(2),), tier="disk")])  # told again: once
+    assert r.prefix_len(NS, [key(1), key(2)]) == 2
+    observe([StoreEvent(EventKind.REMOVED, NS, (key(2),), tier="disk")])
+    assert r.prefix_len(NS, [key(1), key(2)]) == 1
+
+
 def test_tags_never_take_the_empty_or_removed_markers() -> None:
     for low in (0, 1):
         k = low.to_bytes(8, "little") + b"\0" * 8
@@ -60,22 +104,24 @@ def test_tags_never_take_the_empty_or_removed_markers() -> None:
 
 
 def test_churn_with_rebuilds_keeps_the_view_equal_to_the_set() -> None:
-    """Random adds and removes (tombstones pile up and force rebuilds): every key's presence
-    answers as a plain set's does."""
+    """Random adds and removes in two tiers (tombstones pile up and force rebuilds): every
+    key's presence answers as the union of two plain sets does."""
     rng = random.Random(3)
-    w = writer(max_chunks=64)
-    live: set[int] = set()
+    w = writer(max_chunks=64, covers=COVERS_POOL | COVERS_DISK)
+    live: dict[int, set[int]] = {COVERS_POOL: set(), COVERS_DISK: set()}
     for _ in range(4000):
         i = rng.randrange(200)
-        if i in live and rng.random() < 0.6:
-            live.discard(i)
-            w.apply([], [tag_of(NS, key(i))])
-        elif len(live) < 64:
-            live.add(i)
-            w.apply([tag_of(NS, key(i))], [])
+        tier = rng.choice((COVERS_POOL, COVERS_DISK))
+        if i in live[tier] and rng.random() < 0.6:
+            live[tier].discard(i)
+            w.apply([], [tag_of(NS, key(i))], tier)
+        elif len(live[COVERS_POOL] | live[COVERS_DISK]) < 64:
+            live[tier].add(i)
+            w.apply([tag_of(NS, key(i))], [], tier)
     r = reader_of(w)
     for i in range(200):
-        assert r.prefix_len(NS, [key(i)]) == (1 if i in live else 0), i
+        held = i in live[COVERS_POOL] or i in live[COVERS_DISK]
+        assert r.prefix_len(NS, [key(i)]) == (1 if held else 0), i
 
 
 def test_a_read_during_a_write_is_not_taken_for_an_answer() -> None:
@@ -148,3 +194,20 @@ def test_sizing_holds_one_chunk_per_pool_page_below_the_load_bound() -> None:
     for pages in (1, 1000, 65536):
         slots = view_bytes_for(pages) // 8 - HEADER_WORDS
         assert slots & (slots - 1) == 0 and pages <= 0.7 * slots
+
+
+def test_an_overfull_view_answers_nothing_until_it_fits_again() -> None:
+    """More chunks than slots (small chunks on a big disk): leaving some out would read as
+    misses, so the view answers nothing (ask the store) until it holds half as many."""
+    w = writer(max_chunks=64, covers=COVERS_POOL | COVERS_DISK)
+    r = reader_of(w)
+    slots = len(w._slots)
+    tags = [tag_of(NS, key(i)) for i in range(slots)]
+    w.apply(tags, [], COVERS_DISK)
+    assert w.overfull and r.prefix_len(NS, [key(0)]) is None
+    assert not r.misses(NS, [key(10_000)])  # not answered, though it is absent
+    w.apply([], tags[: slots // 2], COVERS_DISK)  # still more than fits with room to spare
+    assert w.overfull
+    w.apply([], tags[slots // 2 : slots - slots // 4], COVERS_DISK)
+    assert not w.overfull and r.covers_disk
+    assert r.prefix_len(NS, [key(slots - 1)]) == 1 and r.misses(NS, [key(0)])
