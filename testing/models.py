@@ -17,18 +17,24 @@ from pathlib import Path
 from typing import Any
 
 
-def _tokenizer(vocab_size: int):
-    """Word-level tokenizer over "t0".."tN" + specials: offline, tokenizers library only."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _tokenizer(vocab_size: int, extra_specials: tuple[str, ...] = ()):
+    """Word-level tokenizer over "t0".."tN" + specials: offline, tokenizers library only.
+    ``extra_specials`` (a vision model's image tokens) take the ids after the four base ones
+    and split out of text without spaces around them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    specials = ["<unk>", "<s>", "</s>", "<pad>", *extra_specials]
     vocab = {tok: i for i, tok in enumerate(specials)}
     for i in range(vocab_size - len(specials)):
         vocab[f"t{i}"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")
+    if extra_specials:
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in extra_specials]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",

@@ -7,7 +7,8 @@ caller's process.
 spec = {"model": path, "kv_transfer_config": {...} | None, "block_size": 32, ...,
         "preload": [modules imported before vLLM], "kv_events_config": {...} | None,
         "engine_args": {more vllm.LLM arguments, e.g. hf_overrides}, "phases": [...]}. Phases:
-    {"op": "generate", "prompts": [[ids...] | {"tokens": [...], "cache_salt": s}, ...],
+    {"op": "generate", "prompts": [[ids...] | {"tokens": [...], "cache_salt": s,
+                                               "image": seed}, ...],
      "max_tokens": 8, "prompt_logprobs": false, "skip_reading_prefix_cache": null}
         requests run one after the other (vLLM's kernels are not batch-invariant, so exactness
         comparisons need identical batches); per request: tokens, logprobs, num_cached_tokens,
@@ -168,7 +169,6 @@ def _cached_by_source(metrics: dict[str, float]) -> dict[str, float]:
 
 def _generate(llm: Any, phase: dict) -> list[dict]:
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     params = SamplingParams(
         temperature=0.0,
@@ -185,14 +185,8 @@ def _generate(llm: Any, phase: dict) -> list[dict]:
     for prompt in phase["prompts"]:
         before = _cached_by_source(_metrics(llm))
         start = time.perf_counter()
-        if isinstance(prompt, dict):
-            tokens_prompt = TokensPrompt(prompt_token_ids=prompt["tokens"])
-            if prompt.get("cache_salt") is not None:
-                tokens_prompt["cache_salt"] = prompt["cache_salt"]
-        else:
-            tokens_prompt = TokensPrompt(prompt_token_ids=prompt)
         try:
-            out = llm.generate([tokens_prompt], params, use_tqdm=False)[0]
+            out = llm.generate([_tokens_prompt(prompt)], params, use_tqdm=False)[0]
         except Exception as exc:  # a request the engine refused: recorded, the run goes on
             results.append({"error": repr(exc)})
             continue
@@ -228,8 +222,19 @@ def _tokens_prompt(prompt: list[int] | dict) -> Any:
         tokens_prompt = TokensPrompt(prompt_token_ids=prompt["tokens"])
         if prompt.get("cache_salt") is not None:
             tokens_prompt["cache_salt"] = prompt["cache_salt"]
+        if prompt.get("image") is not None:  # the model's image token stands in the tokens
+            tokens_prompt["multi_modal_data"] = {"image": seeded_image(prompt["image"])}
         return tokens_prompt
     return TokensPrompt(prompt_token_ids=prompt)
+
+
+def seeded_image(seed: int, size: int = 112) -> Any:
+    """A square RGB image of seeded noise: the same seed, the same pixels (and mm hash)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
 
 
 def _generate_batch(llm: Any, prompts: list, params: Any) -> list[dict]:
