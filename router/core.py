@@ -80,6 +80,8 @@ class Speculative:
 
     def leading(self, keys: Sequence[bytes], backend: str) -> int:
         """Leading chunks of ``keys`` routed to ``backend`` within the TTL."""
+        if not self._keys:  # off (ttl 0) or nothing routed lately: no lock, no clock
+            return 0
         now = time.monotonic()
         n = 0
         with self._lock:
@@ -194,10 +196,11 @@ class RoutingCore:
         else:  # None (past the deadline, failed): routing by load only, never an error
             results = self.gate.call("query", self.index.query, queries) or []
         by_ns = {r.ns_id: _Runs(r) for r in results}
+        chunks = {ns: self.chunk_tokens(ns) for ns in namespaces}
         for b in backends:
             if b.namespace is None:
                 continue
-            chunk = self.chunk_tokens(b.namespace)
+            chunk = chunks[b.namespace]
             runs = by_ns.get(b.namespace)
             gpu, dram, remote, disk = runs.of(b) if runs is not None else (0, 0, 0, 0)
             keys = keys_of.get(b.namespace)

@@ -104,6 +104,8 @@ class Decision:
 class TierCosts(KappaTable):
     """kappa per tier and length (``kvtier.core.costs``), applied to a candidate's coverage."""
 
+    _last: tuple[int, float, float, float] = (-1, 1.0, 1.0, 1.0)
+
     def uncached(self, coverage: Coverage, tokens: int) -> float:
         """Recompute-equivalent tokens the instance must spend on this prompt: each tier's
         share of the prefix at (1 - kappa) of a recompute (disk at 0 saving unless measured:
@@ -112,10 +114,18 @@ class TierCosts(KappaTable):
         dram = min(coverage.dram, tokens)
         disk = min(coverage.node_disk, tokens)
         remote = min(coverage.remote, tokens)
+        costs = self._last  # a decision prices every candidate at one length: kappa once
+        if costs[0] != tokens:
+            costs = self._last = (
+                tokens,
+                1 - self.kappa("dram", tokens),
+                1 - self.kappa("disk", tokens),
+                1 - self.kappa("remote", tokens),
+            )
         return (
-            (dram - gpu) * (1 - self.kappa("dram", tokens))
-            + (disk - dram) * (1 - self.kappa("disk", tokens))
-            + (remote - disk) * (1 - self.kappa("remote", tokens))
+            (dram - gpu) * costs[1]
+            + (disk - dram) * costs[2]
+            + (remote - disk) * costs[3]
             + (tokens - remote)
         )
 
@@ -171,6 +181,18 @@ def _argmin(keys: Sequence[tuple[float | int | str, ...]]) -> int:
     return min(range(len(keys)), key=keys.__getitem__)
 
 
+def _pick(
+    request: RouteRequest, candidates: Sequence[Candidate], keys: Sequence[tuple[float, ...]]
+) -> int:
+    """The argmin of ``keys`` + ``_spread``: the rendezvous hash is computed only among exact
+    ties (it is the last tie-breaker, and hashing every candidate is most of a decision)."""
+    best = min(keys)
+    tied = [i for i, k in enumerate(keys) if k == best]
+    if len(tied) == 1:
+        return tied[0]
+    return min(tied, key=lambda i: _spread(request, candidates[i]))
+
+
 def _load_key(c: Candidate) -> tuple[float, int]:
     return c.load.pending_prefill_tokens, c.load.running
 
@@ -210,8 +232,10 @@ class LeastLoad(Policy):
     name = "least-load"
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        keys = [(*_load_key(c), *_spread(request, c)) for c in candidates]
-        return Decision(_argmin(keys), "least-load", tuple(float(k[0]) for k in keys))
+        keys = [_load_key(c) for c in candidates]
+        return Decision(
+            _pick(request, candidates, keys), "least-load", tuple(float(k[0]) for k in keys)
+        )
 
 
 class Sticky(Policy):
@@ -257,8 +281,10 @@ class CacheAware(Policy):
         def cached(c: Candidate) -> float:
             return c.coverage.gpu + self.dram_credit * (c.coverage.dram - c.coverage.gpu)
 
-        keys = [(-cached(c), *_load_key(c), *_spread(request, c)) for c in candidates]
-        return Decision(_argmin(keys), "longest-prefix", tuple(float(k[0]) for k in keys))
+        keys = [(-cached(c), *_load_key(c)) for c in candidates]
+        return Decision(
+            _pick(request, candidates, keys), "longest-prefix", tuple(float(k[0]) for k in keys)
+        )
 
 
 class LMetric(Policy):
@@ -277,10 +303,10 @@ class LMetric(Policy):
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         scores = [self.score(c, request.tokens) for c in candidates]
         keys = [
-            (s, self.uncached(c, request.tokens), *_load_key(c), *_spread(request, c))
+            (s, self.uncached(c, request.tokens), *_load_key(c))
             for s, c in zip(scores, candidates, strict=True)
         ]
-        return Decision(_argmin(keys), "score", tuple(scores))
+        return Decision(_pick(request, candidates, keys), "score", tuple(scores))
 
 
 class Hybrid(LMetric):
@@ -334,10 +360,9 @@ class Kvtier(Policy):
         tokens = request.tokens
         scores = [self.score(c, tokens) for c in candidates]
         keys = [
-            (s, -c.coverage.gpu, *_load_key(c), *_spread(request, c))
-            for s, c in zip(scores, candidates, strict=True)
+            (s, -c.coverage.gpu, *_load_key(c)) for s, c in zip(scores, candidates, strict=True)
         ]
-        best = _argmin(keys)
+        best = _pick(request, candidates, keys)
         holder = _argmin([(-c.coverage.gpu, c.name) for c in candidates])
         if (
             holder != best
