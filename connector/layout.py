@@ -127,6 +127,15 @@ class KvGeometry:
         return all(g.kept_blocks == self.blocks_per_chunk for g in self.groups)
 
     @property
+    def blocks_stay(self) -> bool:
+        """vLLM keeps every block of a request's chunks while the request lives: only full
+        attention does. A sliding window or a local attention chunk frees the blocks it has
+        passed mid-request (``remove_skipped_blocks``), even when a chunk keeps all of them,
+        and vLLM may hand them to another request in the same step: a save sent a step late
+        must check they are still the request's."""
+        return all(g.kind == FULL for g in self.groups)
+
+    @property
     def hits_on_chunk_boundaries(self) -> bool:
         """A hit must end on a chunk boundary: some group keeps only a chunk's tail."""
         return not self.uniform

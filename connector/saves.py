@@ -76,8 +76,9 @@ class Allocation:
     dropped: bool = False
 
 
-# A sliding window passes a block every few decoded tokens: a save sent a step late finds the
-# blocks its chunk needs freed, and is dropped. Such a model's steps wait for pool space.
+# A sliding window (or a local attention chunk) passes a block every few decoded tokens: a save
+# sent a step late finds the blocks its chunk needs freed, and is dropped. Such a model's steps
+# wait for pool space.
 WINDOW_SAVE_WAIT_S = 0.002
 
 
@@ -86,7 +87,7 @@ def save_wait(config: ConnectorConfig, geometry: KvGeometry) -> float:
     goes with the next step) and ``WINDOW_SAVE_WAIT_S`` for a model with a sliding window."""
     if config.save_wait_s is not None:
         return config.save_wait_s
-    return WINDOW_SAVE_WAIT_S if geometry.hits_on_chunk_boundaries else 0.0
+    return 0.0 if geometry.blocks_stay else WINDOW_SAVE_WAIT_S
 
 
 @dataclass(frozen=True)
@@ -338,7 +339,7 @@ class SavePlanner:
     def _still_held(self, alloc: Allocation) -> bool:
         """The request still holds every block the allocation copies (always true of a
         full-attention model: its blocks stay while the request lives)."""
-        if self.geometry.uniform:
+        if self.geometry.blocks_stay:
             return True
         if self._block_ids_of is None:
             return False

@@ -31,6 +31,8 @@ from kvtier.connector.layout import (
 )
 from kvtier.connector.metadata import ChunkCopy
 from kvtier.connector.paged_kv import PagedKV, PoolView, UnsupportedLayout, state_page_rows
+from kvtier.connector.saves import WINDOW_SAVE_WAIT_S, save_wait
+from kvtier.core.config.connector import ConnectorConfig
 from kvtier.store.client.shm import SharedSegment
 from kvtier.testing.models import make_tiny_llama
 
@@ -98,6 +100,10 @@ def test_a_window_longer_than_a_chunk_keeps_the_whole_chunk(vllm_config) -> None
     geometry, _ = describe(vllm_config, config, 256, fingerprint=False)
     assert [g.kept_blocks for g in geometry.groups] == [8, 8]
     assert not geometry.hits_on_chunk_boundaries
+    # but the window still frees the blocks it passed: a late save checks they are the
+    # request's (vLLM may have given them to another request), and steps wait for pool space
+    assert not geometry.blocks_stay
+    assert save_wait(ConnectorConfig(), geometry) == WINDOW_SAVE_WAIT_S
 
 
 def test_chunks_follow_the_model_block_size() -> None:
