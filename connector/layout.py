@@ -13,13 +13,18 @@ kind. A chunk keeps, per group, exactly what a prefix hit at any chunk boundary 
 - full attention (MLA included): every block of the chunk;
 - sliding window ``w``: the chunk's last ``min(blocks_per_chunk, ceil((w - 1) / block_size))``
   blocks, the only ones vLLM keeps (and attends to) for tokens after the boundary;
+- chunked local attention of span ``a`` (Llama 4: a token attends to the tokens of its
+  ``a``-aligned span before it): none of a chunk's blocks when ``a`` divides the chunk (a hit
+  at a chunk boundary starts a span, whose tokens need nothing before it), every block when
+  the chunk divides ``a`` (later boundaries of the same span need them); other ratios are
+  refused;
 - Mamba / linear-attention state (vLLM's ``mamba_cache_mode="align"``): the chunk's last
   block, whose page holds the recurrent state after exactly the chunk's last token (block
   ``i`` holds the state after ``(i + 1) * block_size`` tokens; blocks whose state vLLM never
   wrote are its null block, so such a chunk is not saved).
 
-Other kinds (chunked local attention, cross attention, Mamba in other cache modes) are
-refused at start-up with the reason (``model_support.py``). A single full-attention group
+Other kinds (cross attention, Mamba in other cache modes) are refused at start-up with the
+reason (``model_support.py``). A single full-attention group
 gives the bytes (and the namespace) of kvtier before groups existed.
 
 Everything that decides a page's bytes goes into the namespace's ``kv_layout`` string
@@ -37,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.connector.fingerprint import model_config_fingerprint, weights_fingerprint
 from kvtier.connector.model_support import (
     FULL,
+    LOCAL,
     MAMBA,
     SLIDING_WINDOW,
     UnsupportedModel,
@@ -59,14 +65,16 @@ class GroupGeometry:
     """One KV cache group's share of a chunk: its layers and how many of each chunk's blocks
     they keep (the trailing ``kept_blocks``)."""
 
-    kind: str  # FULL, SLIDING_WINDOW or MAMBA
+    kind: str  # FULL, SLIDING_WINDOW, LOCAL or MAMBA
     layer_names: tuple[str, ...]
     kept_blocks: int
-    window_tokens: int = 0  # sliding window, in tokens (0: full attention)
+    window_tokens: int = 0  # sliding window or local attention span, in tokens (0: neither)
     source: int = 0  # vLLM's index of the group (its block table in ``get_block_ids()``)
 
     def label(self) -> str:
         kind = self.kind if self.kind in (FULL, MAMBA) else f"swa{self.window_tokens}"
+        if self.kind == LOCAL:
+            kind = f"local{self.window_tokens}"
         return f"{kind}/keep{self.kept_blocks}*{len(self.layer_names)}"
 
 
@@ -336,11 +344,34 @@ def _group_geometry(
         return GroupGeometry(FULL, tuple(layer_names), blocks_per_chunk, source=source)
     if kind == MAMBA:  # the state after the chunk's last token: its last block
         return GroupGeometry(MAMBA, tuple(layer_names), 1, source=source)
+    if kind == LOCAL:
+        return _local_geometry(layer_names, spec, block_size, blocks_per_chunk, source)
     # vLLM keeps (and a hit at a boundary needs) the blocks of the last window - 1 tokens,
     # plus any it retains for speculative decoding (SlidingWindowManager)
     reach = spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)
     kept = min(blocks_per_chunk, -(-reach // block_size))
     return GroupGeometry(SLIDING_WINDOW, tuple(layer_names), kept, spec.sliding_window, source)
+
+
+def _local_geometry(
+    layer_names: list[str], spec: Any, block_size: int, blocks_per_chunk: int, source: int
+) -> GroupGeometry:
+    """Chunked local attention (vLLM's ``ChunkedLocalAttentionManager``): a token at ``t``
+    attends to ``[t // a * a, t]``, so a hit ending at ``p`` needs the group's blocks of
+    ``[p // a * a, p)`` only. A chunk boundary that is a span boundary needs none; one inside
+    a span needs every block since the span began, which the chunks before it keep."""
+    span = int(spec.attention_chunk_size)
+    chunk = blocks_per_chunk * block_size
+    if chunk % span == 0:
+        kept = 0
+    elif span % chunk == 0:
+        kept = blocks_per_chunk
+    else:
+        raise UnsupportedModel(
+            f"kvtier stores chunked local attention when chunk_tokens ({chunk}) is a multiple "
+            f"or a divisor of its attention_chunk_size ({span}); set chunk_tokens to one"
+        )
+    return GroupGeometry(LOCAL, tuple(layer_names), kept, span, source)
 
 
 def _cpu_attention_isa(spec: Any, cache_dtype: str) -> str:

@@ -2,11 +2,12 @@
 reason (docs/connector.md, the support matrix).
 
 A KV cache group is of one kind (``group_kind``): full attention (MLA included), sliding
-window, or Mamba / linear-attention state in vLLM's "align" cache mode; ``layout.py`` decides
-what a chunk keeps of each. Refused: chunked local attention, cross attention, Mamba in other
-modes or with speculative / prefill checkpoint blocks, context parallelism, pipeline stages
-of unequal layer counts, and (``prefix_reuse_refused``: served, never cached) engines whose
-own prefix caching vLLM turned off.
+window, chunked local attention (Llama 4), or Mamba / linear-attention state in vLLM's
+"align" cache mode; ``layout.py`` decides what a chunk keeps of each. Refused: cross
+attention, local attention chunks that chunks neither divide nor are divided by, Mamba in
+other modes or with speculative / prefill checkpoint blocks, context parallelism, pipeline
+stages of unequal layer counts, and (``prefix_reuse_refused``: served, never cached) engines
+whose own prefix caching vLLM turned off.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 FULL = "full"
 SLIDING_WINDOW = "sliding_window"
+LOCAL = "chunked_local"
 MAMBA = "mamba"
 
 
@@ -45,7 +47,8 @@ def group_spec(spec: Any) -> Any:
 
 
 def group_kind(spec: Any) -> str:
-    """FULL, SLIDING_WINDOW or MAMBA; UnsupportedModel, with the reason, for anything else."""
+    """FULL, SLIDING_WINDOW, LOCAL or MAMBA; UnsupportedModel, with the reason, for anything
+    else."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
@@ -56,18 +59,16 @@ def group_kind(spec: Any) -> str:
     name = type(spec).__name__
     if isinstance(spec, MambaSpec):
         return mamba_kind(spec)
-    if isinstance(spec, ChunkedLocalAttentionSpec) or getattr(spec, "attention_chunk_size", None):
-        raise UnsupportedModel(
-            f"kvtier does not support chunked local attention ({name}, Llama 4 geometry) "
-            "yet: serve this model without kvtier"
-        )
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return LOCAL
     if isinstance(spec, SlidingWindowSpec):
         if getattr(spec, "bounded_replay", False):
             raise UnsupportedModel(f"kvtier does not support {name} with bounded replay")
         return SLIDING_WINDOW
     if isinstance(spec, FullAttentionSpec):
-        # With the hybrid allocator off, vLLM merges sliding-window layers into a full
-        # group that keeps every block: stored whole, like full attention.
+        # With the hybrid allocator off, vLLM merges sliding-window and local-chunk layers
+        # into a full group (its spec still names the window or the local chunk) that keeps
+        # every block: stored whole, like full attention.
         return FULL
     raise UnsupportedModel(
         f"kvtier supports full and sliding-window attention, not {name} (this model's KV "

@@ -126,6 +126,20 @@ CASES = [
         lcg_tokens(2 * 256, seed=3, vocab=262144),
     ),
     (
+        # Llama 4 geometry: three layers attend within 8,192-token spans, one globally
+        "chunked local attention (Llama 4 geometry), same tokens and shape",
+        Namespace(
+            model="g",
+            dtype="bfloat16",
+            num_layers=4,
+            num_kv_heads=2,
+            head_size=64,
+            kv_layout=f"{HYBRID_PAGES};groups=local8192/keep8*3,full/keep8*1",
+            chunk_tokens=256,
+        ),
+        lcg_tokens(2 * 256, seed=3, vocab=262144),
+    ),
+    (
         # a Mamba hybrid's chunk also holds the recurrent state after its last token
         "Mamba hybrid (linear attention + full attention), same tokens and shape",
         Namespace(

@@ -272,12 +272,53 @@ def make_tiny_qwen3_next(out_dir: str | Path, *, seed: int = 0, linear_heads: in
     return _save_scaled(Qwen3NextForCausalLM(config), out, 512, torch.bfloat16)
 
 
+def make_tiny_llama4(
+    out_dir: str | Path, *, seed: int = 0, attention_chunk_size: int = 128, moe: bool = True
+) -> Path:
+    """A Llama 4 text model: layers 0-2 attend within ``attention_chunk_size``-token spans
+    (RoPE), layer 3 globally (NoPE), as Llama 4's "iRoPE"; layers 1 and 3 mixture-of-experts
+    (2 experts, top 1, plus the shared one) unless ``moe`` is False. vLLM groups the local
+    layers' KV apart from the global layer's (``ChunkedLocalAttentionSpec``)."""
+    import torch
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    config = Llama4TextConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,  # an expert's width
+        intermediate_size_mlp=256,  # a dense layer's
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        attention_chunk_size=attention_chunk_size,
+        no_rope_layer_interval=4,  # layer i is global (NoPE) iff (i + 1) % 4 == 0
+        # vLLM picks MoE layers by this step alone, transformers by moe_layers derived from
+        # it: give only the step so both agree (a step past the last layer: all dense)
+        interleave_moe_layer_step=2 if moe else 5,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    return _save_scaled(Llama4ForCausalLM(config), out, 512, torch.float32)
+
+
 # architecture family -> (maker, what it stands for); docs/connector.md's support matrix
 FAMILIES: dict[str, tuple[Any, str]] = {
     "llama": (make_tiny_llama, "dense full attention (Llama, Qwen, Mistral)"),
     "gemma3-swa": (make_tiny_gemma3, "sliding window + full attention (Gemma 3, gpt-oss)"),
     "deepseek-mla": (make_tiny_deepseek_v2, "multi-head latent attention (DeepSeek V2/V3)"),
     "qwen3-next": (make_tiny_qwen3_next, "linear attention + full attention (Qwen3-Next)"),
+    "llama4-local": (make_tiny_llama4, "chunked local + global attention, MoE (Llama 4)"),
 }
 
 

@@ -397,7 +397,8 @@ DECODE = 32  # tokens per request in the concurrent drill
 BLOCK_BYTES = 2 * 2 * 2 * 32 * 32 * 2  # tiny model: layers, K+V, heads, head_dim, 32 tokens, bf16
 # The Qwen3-Next geometry's pages are 64 tokens x 2 KiB, shared by its attention and Mamba
 # groups: 20 of them hold two 456-token prompts (8 attention + 2 state blocks each)
-FAMILY_KV_BYTES = {"qwen3-next": 20 * 64 * 2048}
+# Llama 4's 4 layers make a block (all layers) twice the tiny Llama's: as many blocks
+FAMILY_KV_BYTES = {"qwen3-next": 20 * 64 * 2048, "llama4-local": 31 * 2 * BLOCK_BYTES}
 
 
 def concurrent_failed_loads(ctx: DrillContext) -> DrillResult:

@@ -34,7 +34,7 @@ CHUNK = 64  # tokens per chunk: two vLLM blocks of 32
 # families whose chunks must be longer for the drill to cover what is particular to them: a
 # 64-token sliding window keeps 2 of a 128-token chunk's 4 blocks (a chunk's tail only); a
 # Qwen3-Next geometry's blocks are 64 tokens (a chunk keeps its last block's Mamba state)
-FAMILY_CHUNK = {"gemma3-swa": 128, "qwen3-next": 128}
+FAMILY_CHUNK = {"gemma3-swa": 128, "qwen3-next": 128, "llama4-local": 64}
 # vLLM writes Mamba state at the end of prefill steps only: steps of one chunk give every
 # chunk boundary its state (docs/connector.md, the support matrix)
 FAMILY_ENGINE: dict[str, dict] = {"qwen3-next": {"max_num_batched_tokens": 128}}

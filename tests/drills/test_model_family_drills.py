@@ -11,6 +11,9 @@ leases, and the fault visibly handled.
 - ``qwen3-next`` (a gated-delta-net layer's Mamba state beside full attention): a chunk keeps
   the state after its last token, a load fills the state block at the hit boundary; the same
   concurrent drill, with prefill steps of one chunk (so every chunk boundary has its state).
+- ``llama4-local`` (three layers attending within 128-token local spans beside a global
+  one, MoE; 64-token chunks keep every local block, since a hit inside a span needs the
+  span's earlier chunks): the same concurrent drill.
 - ``llama`` at TP 2: rank 0's copy of a chunk is corrupt while rank 1's is sound; vLLM must
   recompute on both ranks (it does: it takes the union of the ranks' failed blocks).
 """
@@ -46,6 +49,11 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillContext]:
 
 
 @pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillContext]:
+    yield from context(tmp_path_factory, "llama4-local")
+
+
+@pytest.fixture(scope="module")
 def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillContext]:
     yield from context(tmp_path_factory, "llama", tensor_parallel_size=2)
 
@@ -71,6 +79,14 @@ def test_mamba_hybrid_concurrent_requests_with_corrupt_chunks(mamba: DrillContex
     prompts = Prompts.make(REQUESTS, 22)
     mamba.prefetch(prompts.a + prompts.b)
     result = run(mamba, "concurrent-failed-loads")
+    assert result.recomputes >= 1
+    assert result.hits.get("host", 0) > 0
+
+
+def test_chunked_local_concurrent_requests_with_corrupt_chunks(local: DrillContext) -> None:
+    prompts = Prompts.make(REQUESTS, 23)
+    local.prefetch(prompts.a + prompts.b)
+    result = run(local, "concurrent-failed-loads")
     assert result.recomputes >= 1
     assert result.hits.get("host", 0) > 0
 

@@ -21,6 +21,7 @@ import pytest
 from kvtier.testing.models import (
     make_tiny_gemma3,
     make_tiny_llama,
+    make_tiny_llama4,
     make_tiny_qwen3_next,
     vllm_env,
 )
@@ -240,3 +241,33 @@ def test_fp8_kv_cache_hits_are_exact_and_never_shared_with_another_dtype(
             assert counters["vllm:kvtier_committed_chunks"] == 4 + 8, other  # its own
     finally:
         store.stop()
+
+
+@pytest.mark.parametrize(
+    ("span", "chunk", "hits"),
+    [
+        # chunks of 64 inside 128-token local spans: every chunk keeps its local blocks (the
+        # hits at 192 and 448 end inside a span and need the chunk before them)
+        (128, 64, [256, 512, 0, 192, 448, 256, 512]),
+        # 128-token chunks over 64-token spans: a boundary starts a span, no local block kept
+        (64, 128, [256, 512, 0, 128, 384, 256, 512]),
+    ],
+)
+def test_chunked_local_attention_hits_are_exact(
+    tmp_path: Path, run_dir: Path, span: int, chunk: int, hits: list[int]
+) -> None:
+    """Llama 4 geometry (3 layers attending within local spans, 1 global, MoE) under vLLM's
+    hybrid allocator: every DRAM and GPU hit gives a recompute's logprobs, and the local
+    groups' pages are saved only where a hit at a chunk boundary needs them."""
+    model = make_tiny_llama4(tmp_path / f"llama4-{span}", attention_chunk_size=span)
+    batch = prompts(5, [300, 520, 40, 200, 450]) + prompts(6, [280, 540], shared_prefix=270)
+    extra = {"chunk_tokens": chunk, "min_hit_tokens": {"cpu": chunk}}
+    reference, dram, gpu, metrics = dram_round_trip(model, batch, run_dir, extra)
+    assert_exact(reference, dram)
+    assert_exact(reference, gpu)
+    assert [r["num_cached_tokens"] for r in dram] == hits
+    page = 32 * 2 * 32 * 2 * 2  # tokens, K+V, head_dim, kv heads, bytes (bf16)
+    kept = chunk // 32 if chunk < span else 0  # per local layer
+    saved = metrics["vllm:kvtier_saved_bytes"] / metrics["vllm:kvtier_saved_chunks"]
+    assert saved == (3 * kept + chunk // 32) * page
+    assert metrics["vllm:kvtier_load_error_blocks"] == 0

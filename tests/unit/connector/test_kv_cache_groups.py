@@ -19,6 +19,7 @@ from kvtier.connector.group_blocks import (
 )
 from kvtier.connector.layout import (
     FULL,
+    LOCAL,
     MAMBA,
     SLIDING_WINDOW,
     GroupGeometry,
@@ -116,7 +117,7 @@ def test_chunks_follow_the_model_block_size() -> None:
     ("spec", "reason"),
     [
         ("mamba", "Mamba / linear-attention state only with mamba_cache_mode='align'"),
-        ("chunked", "chunked local attention"),
+        ("chunked", "a multiple or a divisor of its attention_chunk_size"),
     ],
 )
 def test_unsupported_kinds_are_refused_with_the_reason(spec: str, reason: str) -> None:
@@ -132,11 +133,45 @@ def test_unsupported_kinds_are_refused_with_the_reason(spec: str, reason: str) -
             num_kv_heads=2,
             head_size=8,
             dtype=torch.float32,
-            attention_chunk_size=128,
+            attention_chunk_size=96,  # neither divides nor is divided by a 256-token chunk
         )
     config = kv_cache_config((attention("full"), ["l0"]), (group, ["l1"]))
     with pytest.raises(UnsupportedModel, match=reason):
         describe(None, config, 256, fingerprint=False)  # type: ignore[arg-type]
+
+
+def local(span: int):
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    return ChunkedLocalAttentionSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32,
+        attention_chunk_size=span,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("span", "kept"), [(128, 0), (256, 0), (512, 8), (8192, 8)])
+def test_a_chunked_local_group_keeps_what_a_hit_at_a_chunk_boundary_needs(
+    vllm_config, span: int, kept: int
+) -> None:
+    """Llama 4 geometry: a hit at a chunk boundary that starts a local span needs none of the
+    local layers' KV; inside a span it needs every block since the span began, so each chunk
+    keeps all of its own."""
+    config = kv_cache_config((local(span), ["l0", "l1", "l2"]), (attention("full"), ["l3"]))
+    geometry, _ = describe(vllm_config, config, 256, fingerprint=False)
+    assert [(g.kind, g.kept_blocks) for g in geometry.groups] == [(LOCAL, kept), (FULL, 8)]
+    assert geometry.chunk_bytes == (3 * kept + 8) * PAGE
+    assert geometry.kv_layout.endswith(f";groups=local{span}/keep{kept}*3,full/keep8*1")
+    assert geometry.hits_on_chunk_boundaries == (kept == 0)
+    assert not geometry.blocks_stay  # vLLM frees a passed span's blocks mid-request
+
+
+def test_local_layers_merged_into_a_full_group_are_stored_as_full_attention(vllm_config) -> None:
+    """With the hybrid allocator off, vLLM puts every layer in one full group whose spec
+    names the span, and keeps every block: a chunk is a plain full-attention chunk."""
+    config = kv_cache_config((attention("full", attention_chunk_size=128), ["l0", "l1"]))
+    geometry, _ = describe(vllm_config, config, 256, fingerprint=False)
+    assert [(g.kind, g.kept_blocks) for g in geometry.groups] == [(FULL, 8)]
+    assert geometry.blocks_stay
 
 
 def mamba(**extra: object):
