@@ -161,6 +161,14 @@ class DiskConfig(Section):
     max_batch_bytes: ByteSize = Field(
         ByteSize(64 << 20), description="at most this much written per round"
     )
+    max_pool_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="a round pins at most this fraction of the pool while it copies (at least "
+        "one chunk), so saves can still evict the rest: max_batch_bytes alone could pin most "
+        "of a small pool",
+    )
     read_threads: int = Field(4, ge=1, le=64, description="files read at once by one stage")
     fsync: bool = Field(
         True,

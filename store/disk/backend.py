@@ -167,7 +167,11 @@ class DiskBackend:
             window = self.spill_window()
             if not window:
                 return SpillRound(0, 0, "below the high watermark")
-            batch = self.core.pin_coldest(window, int(self.config.max_batch_bytes), self._skip)
+            capacity = self.core.capacity_bytes
+            limit = min(
+                int(self.config.max_batch_bytes), int(capacity * self.config.max_pool_share)
+            )
+            batch = self.core.pin_coldest(window, limit, self._skip)
             self.spill_queue = len(batch)
             if not batch:
                 return SpillRound(0, 0, "nothing to copy")

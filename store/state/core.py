@@ -451,17 +451,17 @@ class StoreCore:
     def pin_coldest(
         self, window_bytes: int, max_bytes: int, skip: Callable[[bytes, bytes], bool]
     ) -> list[tuple[ChunkEntry, ChunkLocation]]:
-        """Pin up to ``max_bytes`` of chunks among the coldest ``window_bytes`` of unpinned
-        committed ones (what eviction takes next) for which ``skip(namespace id, key)`` is
-        false, without counting it as a use: the disk tier copies them, ``unpin`` ends it.
-        ``skip`` runs under the store's lock."""
+        """Pin up to ``max_bytes`` of chunks (one at least) among the coldest
+        ``window_bytes`` of unpinned committed ones (what eviction takes next) for which
+        ``skip(namespace id, key)`` is false, without counting it as a use: the disk tier
+        copies them, ``unpin`` ends it. ``skip`` runs under the store's lock."""
         out: list[tuple[ChunkEntry, ChunkLocation]] = []
         with self._lock:
             seen = taken = 0
             for key in self.pages.policy.coldest(self.pages.evictable):
                 entry = self.pages.table[cast(bytes, key)]
                 seen += entry.size
-                if seen > window_bytes or taken + entry.size > max_bytes:
+                if seen > window_bytes or (out and taken + entry.size > max_bytes):
                     break
                 if skip(entry.namespace, entry.key):
                     continue

@@ -48,7 +48,13 @@ def config(
             # a pool this small would refuse most batches (store.max_batch_fraction)
             "max_batch_fraction": 1.0,
             "pool": {"capacity": pool_chunks * CHUNK, "page_size": 4096, "prefault": False},
-            "disk": {"enabled": True, "path": str(tmp_path / "disk"), "interval_s": 3600, **disk},
+            "disk": {
+                "enabled": True,
+                "path": str(tmp_path / "disk"),
+                "interval_s": 3600,
+                "max_pool_share": 1.0,  # one round copies what these tests stored
+                **disk,
+            },
         }
     )
 
@@ -360,3 +366,23 @@ def test_eviction_takes_a_chunk_on_disk_before_a_colder_one_without(open_store):
     assert tier.store.stats()["dirty_evictions"] == 0  # type: ignore[attr-defined]
     assert tier.stage_from_disk(ns_id, copied, timeout_s=5).local == 4
     assert read_back(tier, ns_id, copied) == copied_data
+
+
+def test_a_round_pins_at_most_its_share_of_the_pool_and_one_chunk_at_least(open_store):
+    """A spill round pins what it copies: in a pool a few batches large, max_batch_bytes
+    alone would pin most of it and leave saves no room. Rounds keep going until all is
+    copied."""
+    tier = open_store(write_through=True, max_pool_share=0.25)
+    ns_id = tier.namespace_id(namespace(), CHUNK)
+    tier.put(ns_id, keys_of(6), chunks(6, seed=4))
+    rounds = []
+    while chunks_copied := disk_of(tier).spill_once().chunks:
+        rounds.append(chunks_copied)
+    assert rounds == [2, 2, 2]  # a quarter of an 8-chunk pool a round
+
+
+def test_a_round_copies_one_chunk_when_its_share_is_smaller(open_store):
+    tier = open_store(write_through=True, max_pool_share=0.01)
+    ns_id = tier.namespace_id(namespace(), CHUNK)
+    tier.put(ns_id, keys_of(2), chunks(2, seed=5))
+    assert disk_of(tier).spill_once().chunks == 1

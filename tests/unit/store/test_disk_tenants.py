@@ -136,6 +136,7 @@ def store_config(tmp_path: Path, run_dir: str, disk_quota_chunks: int) -> StoreC
                 "enabled": True,
                 "path": str(tmp_path / "disk"),
                 "interval_s": 3600,
+                "max_pool_share": 1.0,  # one round copies what the test stored
                 "write_through": True,
             },
             "tenants": [
