@@ -132,15 +132,21 @@ def make_tiny_llama(
     return _save_scaled(LlamaForCausalLM(config), out, vocab_size, getattr(torch, dtype))
 
 
-def _save_scaled(model: Any, out: Path, vocab_size: int, dtype: Any = None) -> Path:
-    """Scale the random weights x5 (logits far from uniform, so logprob comparisons mean
-    something), cast them to ``dtype`` and write the model and its tokenizer to ``out``."""
+def scale_weights(model: Any) -> None:
+    """Scale the random weights x5: logits far from uniform, so logprob comparisons mean
+    something."""
     import torch
 
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
                 param.mul_(5.0)
+
+
+def _save_scaled(model: Any, out: Path, vocab_size: int, dtype: Any = None) -> Path:
+    """Scale the random weights (``scale_weights``), cast them to ``dtype`` and write the
+    model and its tokenizer to ``out``."""
+    scale_weights(model)
     if dtype is not None:
         model = model.to(dtype)
     out.mkdir(parents=True, exist_ok=True)

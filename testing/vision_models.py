@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.testing.models import _tokenizer
+from kvtier.testing.models import _tokenizer, scale_weights
 
 VISION_SPECIALS = (
     "<image>",
@@ -92,10 +92,7 @@ def make_tiny_idefics3(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 
     )
     config.dtype = "float32"
     model = Idefics3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.mul_(5.0)
+    scale_weights(model)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     image_processor = Idefics3ImageProcessorPil(
