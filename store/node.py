@@ -75,8 +75,6 @@ log = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
 SEGMENT_RE = re.compile(r"kvtier-([A-Za-z0-9_.-]+)-[0-9a-f]{16}")  # what a store names its pool
-
-
 VIEW_DISK_BYTES = 1 << 20  # disk bytes per slot of the shared view
 
 

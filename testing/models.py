@@ -108,13 +108,41 @@ def make_tiny_llama(
     something. ``head_dim`` must be one vLLM's CPU attention supports (32, 64, 80, 96, ...).
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     out = Path(out_dir)
     if (out / "config.json").exists():
         return out
     torch.manual_seed(seed)
-    config = LlamaConfig(  # type: ignore[call-arg]
+    config = llama_config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_positions=max_positions,
+        dtype=dtype,
+    )
+    return _save_scaled(LlamaForCausalLM(config), out, vocab_size, getattr(torch, dtype))
+
+
+def llama_config(
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    max_positions: int = 4096,
+    dtype: str = "float32",
+) -> Any:
+    """The tiny Llama's config (a vision model's text model takes it too); specials as
+    ``_tokenizer``'s."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -129,7 +157,6 @@ def make_tiny_llama(
         tie_word_embeddings=False,
         torch_dtype=dtype,
     )
-    return _save_scaled(LlamaForCausalLM(config), out, vocab_size, getattr(torch, dtype))
 
 
 def scale_weights(model: Any) -> None:

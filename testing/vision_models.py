@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.testing.models import _tokenizer, scale_weights
+from kvtier.testing.models import _tokenizer, llama_config, scale_weights
 
 VISION_SPECIALS = (
     "<image>",
@@ -50,7 +50,6 @@ def make_tiny_idefics3(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 
         Idefics3ForConditionalGeneration,
         Idefics3Processor,
         Idefics3VisionConfig,
-        LlamaConfig,
     )
     from transformers.models.idefics3.image_processing_pil_idefics3 import (
         Idefics3ImageProcessorPil,
@@ -60,20 +59,7 @@ def make_tiny_idefics3(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 
     if (out / "config.json").exists():
         return out
     torch.manual_seed(seed)
-    text = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        tie_word_embeddings=False,
-    )
+    text = llama_config(vocab_size=vocab_size)
     vision = Idefics3VisionConfig(
         hidden_size=64,
         intermediate_size=128,

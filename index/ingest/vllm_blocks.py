@@ -308,11 +308,7 @@ class BlockMapper:
         per = C // bs
         chain, nsx = chain_nsx
         body = data[offset : offset + 4 * C]
-        keys = (
-            (_digest(chain[0] + body),)
-            if len(chain) == 1
-            else tuple(_digest(k + body) for k in chain)
-        )
+        keys = _chunk_keys(chain, body)
         path = hashes[i : i + per]
         win = self._windows[path[0]] = Window(chain, start, nsx, path[0])
         win.live = per
@@ -406,7 +402,7 @@ class BlockMapper:
                     held = False
             parts.reverse()
             body = b"".join(parts)
-            keys = tuple(_digest(k + body) for k in win.chain)
+            keys = _chunk_keys(win.chain, body)
             blk[DONE] = (keys,)
             win.add_chunk((keys, h), path)
             if held:
@@ -438,11 +434,7 @@ class BlockMapper:
         """``_place`` for a chunk that arrived whole in one event (no walk needed)."""
         body = data[offset : offset + 4 * self.chunk_tokens]
         chain = win.chain
-        keys = (
-            (_digest(chain[0] + body),)
-            if len(chain) == 1
-            else tuple(_digest(k + body) for k in chain)
-        )
+        keys = _chunk_keys(chain, body)
         win.live += 1
         blk[WIN] = win
         blk[DONE] = (keys,)
@@ -554,6 +546,14 @@ class BlockMapper:
     def _forget(self, h: BlockHash, blk: Block) -> None:
         del self._blocks[h]
         self._release(blk)
+
+
+def _chunk_keys(chain: Keys, body: bytes) -> Keys:
+    """The keys of the chunk of tokens ``body`` (u32le) after the chunk keyed ``chain``, one
+    per namespace (nearly always one: no tuple built from a generator then)."""
+    if len(chain) == 1:
+        return (_digest(chain[0] + body),)
+    return tuple(_digest(k + body) for k in chain)
 
 
 def _plain_extra(ev: BlockStored, extra: Any) -> bool:
