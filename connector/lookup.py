@@ -30,7 +30,7 @@ from kvtier.connector.layout import KvGeometry, ModelIdentity
 from kvtier.core.chunks import ChunkLocation
 from kvtier.core.config.connector import ConnectorConfig
 from kvtier.core.errors import ErrorCode, KvtierError
-from kvtier.core.keys import MediaItem, PromptKeyer, salt_digest
+from kvtier.core.keys import MediaItem, Namespace, PromptKeyer, salt_digest
 from kvtier.tiers import Tiers
 
 if TYPE_CHECKING:
@@ -180,6 +180,7 @@ class RequestState:
 # A known miss is decided on the scheduler thread only while the chunk it needs is among the
 # prompt's first ones: hashing more (a long prefix vLLM already holds) is the lookup thread's.
 INLINE_KEY_CHUNKS = 64
+NAMESPACE_MEMO = 4096  # namespaces the resolver keeps built (one per salt and adapter in use)
 
 
 class TierResolver:
@@ -198,6 +199,9 @@ class TierResolver:
         self.staging = tiers.staging
         self._count = count
         self._adapters = AdapterFingerprints()
+        # (identity, rank, salt, adapter) -> namespace: built once, not per request (~7 µs
+        # of pydantic on the scheduler thread for every known miss)
+        self._namespace_memo: dict[tuple[ModelIdentity, int, str, str], Namespace] = {}
 
     def namespaces(self, state: RequestState) -> dict[int, bytes]:
         """The request's namespace id per TP rank, registered with the store (by the pool, at
@@ -215,7 +219,7 @@ class TierResolver:
         ns_ids = {}
         chunk_bytes = self.geometry.chunk_bytes
         for rank in identity.data_ranks(self.geometry):
-            namespace = identity.namespace(self.geometry, rank, state.salt, lora_fp)
+            namespace = self._namespace(identity, rank, state.salt, lora_fp)
             if register:
                 ns_ids[rank] = self.pool.namespace_id(namespace, chunk_bytes)
             elif (known := self.pool.registered_namespace_id(namespace, chunk_bytes)) is None:
@@ -228,6 +232,16 @@ class TierResolver:
                 state.keyers = {r: PromptKeyer(ns, chunk) for r, ns in ns_ids.items()}
                 state.ns_ids = ns_ids
         return ns_ids
+
+    def _namespace(self, identity: ModelIdentity, rank: int, salt: str, lora_fp: str) -> Namespace:
+        memo_key = (identity, rank, salt, lora_fp)
+        found = self._namespace_memo.get(memo_key)
+        if found is None:
+            if len(self._namespace_memo) >= NAMESPACE_MEMO:  # many salts: start over
+                self._namespace_memo.clear()
+            found = identity.namespace(self.geometry, rank, salt, lora_fp)
+            self._namespace_memo[memo_key] = found
+        return found
 
     def known_miss(self, state: RequestState, computed: int) -> LookupOutcome | None:
         """A lookup's outcome when it is known to find nothing without a round trip (on the

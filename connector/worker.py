@@ -53,6 +53,8 @@ from kvtier.store.client.shm import checksum_views, map_segment
 log = logging.getLogger(__name__)
 
 MAX_MAPPED_SEGMENTS = 4  # live segments kept mapped (dead ones are unmapped when unheld)
+RETIRE_PERIOD_S = 0.25  # how often a step looks for mapped segments whose store is gone
+# (a restarted store takes longer than this to start and reserve its new pool)
 
 
 class ConnectorWorker:
@@ -78,6 +80,7 @@ class ConnectorWorker:
         self._pools: OrderedDict[str, PoolView] = OrderedDict()
         self._held: dict[int, PoolView] = {}
         self._retiring: list[PoolView] = []
+        self._next_retire = 0.0  # monotonic time of the next look for dead segments
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._out = KvtierWorkerMetadata()
@@ -113,7 +116,8 @@ class ConnectorWorker:
             self._end_step()
         except Exception:  # its copies cannot be waited for: its pools stay held (mapped)
             log.exception("kvtier: waiting for the last step's copies failed")
-        self._retire_dead()
+        if self._retiring or time.monotonic() >= self._next_retire:
+            self._retire_dead()
         try:
             if self.kv is not None:  # this is the model runner's thread: its stream orders copies
                 self.kv.bind_compute()
@@ -418,9 +422,14 @@ class ConnectorWorker:
     def _retire_dead(self) -> None:
         """Unmap every mapped segment whose store is gone (file unlinked or replaced), except
         those a job of this step holds: they go at the next step's start or mapping. Costs a
-        stat per mapped segment (normally one): 6 µs a segment on a 2-core VM, against the
-        milliseconds of a step, so it runs every step. Never raises: a failure leaves the
+        stat per mapped segment (normally one): 3 µs warm, but ~70 µs as the first work of a
+        step after a forward pass (cold caches; ``kvtier bench decode-overhead``), so a step
+        runs it only every ``RETIRE_PERIOD_S`` or while a retired segment waits. This only
+        frees memory: a load checks its own segment before and after copying, and a save into
+        a dead store's segment is never committed (segment names carry the incarnation's
+        epoch, so a new store never reuses a mapping). Never raises: a failure leaves the
         mappings for the next try."""
+        self._next_retire = time.monotonic() + RETIRE_PERIOD_S
         try:
             for name, pool in list(self._pools.items()):
                 if not pool.segment.is_live():

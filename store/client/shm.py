@@ -152,7 +152,7 @@ class SharedSegment:
         or restarted has its segment unlinked (by itself, its watchdog, or the next store), so
         a mapping whose file is gone or replaced holds an incarnation nobody leases from."""
         try:
-            st = os.stat(_path(self.name))
+            st = os.stat(f"{SHM_DIR}/{self.name}")  # a str, not a Path: this runs per step
         except FileNotFoundError:
             return False
         return (st.st_dev, st.st_ino) == self.identity

@@ -143,7 +143,11 @@ def test_a_dead_segment_is_unmapped_at_the_next_step(rig: KvRig, store: Store) -
 
     store.stop()  # the store restarts: only the worker maps the old segment now
     assert mapped(old.name), "the worker's mapping of the old pool outlives its store"
-    rig.step()  # any step: its start finds the segment gone
+    rig.worker._next_retire = float("inf")  # a step inside RETIRE_PERIOD_S does not look
+    rig.step()
+    assert mapped(old.name)
+    rig.worker._next_retire = 0.0  # the period is over: the next step's start looks
+    rig.step()
     assert not mapped(old.name) and not worker_maps(rig, old.name)
 
     new = store.start(4 * MiB)
@@ -211,6 +215,7 @@ def test_a_restarted_store_gets_the_memory_back(
     assert orphaned - base > 0.8 * size, "the worker's mapping keeps the old pool's memory"
 
     if restart == "step-between":
+        rig.worker._next_retire = 0.0  # a step at least RETIRE_PERIOD_S after the last look
         rig.step()
         released = shmem()
         new = store.start(size)
