@@ -245,14 +245,22 @@ class TierResolver:
 
     def known_miss(self, state: RequestState, computed: int) -> LookupOutcome | None:
         """A lookup's outcome when it is known to find nothing without a round trip (on the
-        scheduler thread: no lookup thread, no wait), else None: resolve it. Known only where
-        the pool is the one tier (a staging tier must be asked), the request's namespaces are
-        registered already, its chunk past ``computed`` costs at most ``INLINE_KEY_CHUNKS``
-        chunks of hashing here, and the store's shared view says that chunk is absent on a
-        rank (then no rank can load past it). The node's disk is the one staging tier the
-        view can speak for (a store with the disk tier puts its files in the view too)."""
+        scheduler thread: no lookup thread, no wait), else None: resolve it. Known whatever
+        the tiers when no hit could be long enough (no whole chunk past vLLM's own hit: such a
+        request must not wait in the lookup threads' queue behind slow pulls). Else known only
+        where the pool is the one tier (a staging tier must be asked), the request's
+        namespaces are registered already, its chunk past ``computed`` costs at most
+        ``INLINE_KEY_CHUNKS`` chunks of hashing here, and the store's shared view says that
+        chunk is absent on a rank (then no rank can load past it). The node's disk is the one
+        staging tier the view can speak for (a store with the disk tier puts its files in the
+        view too)."""
         geo = self.geometry
         first = computed // geo.chunk_tokens
+        shortest = max(1, self.config.min_hit_tokens.get("cpu", 0))
+        if self._hit_cap(state.request) - computed < shortest:
+            # nothing any tier holds could be a hit (no whole chunk past vLLM's own hit, or
+            # less than ``min_hit_tokens``): no lookup at all, so never queued behind slow ones
+            return LookupOutcome(computed, first, session_generation=self.pool.session_generation)
         with_disk = bool(self.staging)
         if any(tier.name != "disk" for tier in self.staging) or "cpu" not in self.config.tiers:
             return None
@@ -270,6 +278,19 @@ class TierResolver:
                 generation = self.pool.session_generation
                 return LookupOutcome(computed, first, session_generation=generation)
         return None
+
+    def _hit_cap(self, request: Request) -> int:
+        """Where any hit of ``request`` ends at the latest: its last whole chunk, and before
+        its last block. vLLM computes the prompt's last block, as its own prefix cache has it:
+        a sync load must leave it a token anyway, and an async full hit would have vLLM
+        recompute the last token alone, which rounds differently from computing the block
+        (same math, other kernel tiling) - then a hit would not give exactly a recompute's
+        logprobs."""
+        geo = self.geometry
+        cap = (request.num_tokens - 1) // geo.block_size * geo.block_size
+        if geo.hits_on_chunk_boundaries:  # a sliding window's blocks are kept per chunk end
+            cap = cap // geo.chunk_tokens * geo.chunk_tokens
+        return min(cap, request.num_tokens // geo.chunk_tokens * geo.chunk_tokens)
 
     def resolve(self, state: RequestState, computed: int) -> LookupOutcome:
         """Tier-first lookup for every TP rank: the pool's run (leased), then each staging
@@ -303,14 +324,7 @@ class TierResolver:
         except BaseException:
             self.release(outcome)  # leases taken before the failure: give them back now
             raise
-        # Leave vLLM the prompt's last block to compute, as its own prefix cache does: a sync
-        # load must leave it a token anyway, and an async full hit would have vLLM recompute
-        # the last token alone, which rounds differently from computing the block (same math,
-        # other kernel tiling) - then a hit would not give exactly a recompute's logprobs.
-        cap = (request.num_tokens - 1) // geo.block_size * geo.block_size
-        if geo.hits_on_chunk_boundaries:  # a sliding window's blocks are kept per chunk end
-            cap = cap // geo.chunk_tokens * geo.chunk_tokens
-        end = min((first + run) * geo.chunk_tokens, cap)
+        end = min((first + run) * geo.chunk_tokens, self._hit_cap(request))
         tokens = max(0, end - computed)
         self._count(C.LOOKUPS, 1)
         self._count(C.LOOKUP_TOKENS, request.num_tokens - computed)

@@ -10,7 +10,10 @@ later step while vLLM holds the finished request's blocks.
 
 from __future__ import annotations
 
+import threading
 import time
+
+import pytest
 
 PROMPT = list(range(2000, 2160))  # 160 tokens: five chunks
 TAIL = list(range(6000, 6033))
@@ -46,6 +49,54 @@ def test_a_lookup_past_its_deadline_is_a_miss_and_never_blocks(make_rig) -> None
         lambda: rig.store.calls["release"] > releases and rig.read_leases() == 0,
         what="the late lookup's lease released",
     )
+
+
+@pytest.mark.parametrize(
+    ("tokens", "local_hit", "min_hit"),
+    [(20, 0, 32), (40, 32, 32), (90, 0, 96)],
+    ids=["shorter-than-a-chunk", "past-vllms-own-hit", "below-min-hit-tokens"],
+)
+def test_a_request_nothing_could_hit_never_queues_behind_slow_lookups(
+    make_rig, tokens: int, local_hit: int, min_hit: int
+) -> None:
+    """Both lookup threads stall on the store (slow pulls); a request with no whole chunk
+    past vLLM's own hit (or less than ``min_hit_tokens`` to gain) answers "no hit" at once on
+    the scheduler thread instead of waiting in their queue, up to ``lookup_deadline_s``
+    (a 1-token prompt took 2.7 s in the cluster benchmark). 90 tokens can hit two chunks (64
+    tokens) at most, under a 96-token minimum."""
+    rig = make_rig(
+        served=True, lookup_wait_s=0.001, lookup_deadline_s=30, min_hit_tokens={"cpu": min_hit}
+    )
+    gate = rig.store.stall("lookup")
+    slow = [rig.request(f"slow{i}", range(1000 * i, 1000 * i + 160)) for i in range(2)]
+    assert [rig.sched.get_num_new_matched_tokens(r, 0)[0] for r in slow] == [None, None]
+    rig.until(lambda: len(gate_waiters(rig)) == 2, what="both lookup threads stalled")
+    request = rig.request("short", range(9000, 9000 + tokens))
+    started = time.monotonic()
+    assert rig.sched.get_num_new_matched_tokens(request, local_hit) == (0, False)
+    assert time.monotonic() - started < 1.0
+    assert rig.store.calls["lookup"] == 0
+    gate.set()
+
+
+def gate_waiters(rig) -> list[str]:
+    """Names of the connector's lookup threads now inside the store's stalled lookup."""
+    import sys
+
+    frames = sys._current_frames()
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("kvtier-lookup")
+        and (frame := frames.get(t.ident or 0)) is not None
+        and any(f.f_code.co_name == "_call" for f in _stack(frame))
+    ]
+
+
+def _stack(frame):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 def test_one_wait_budget_per_step_and_a_bounded_queue(make_rig) -> None:
