@@ -61,9 +61,8 @@ def test_a_request_nothing_could_hit_never_queues_behind_slow_lookups(
 ) -> None:
     """Both lookup threads stall on the store (slow pulls); a request with no whole chunk
     past vLLM's own hit (or less than ``min_hit_tokens`` to gain) answers "no hit" at once on
-    the scheduler thread instead of waiting in their queue, up to ``lookup_deadline_s``
-    (a 1-token prompt took 2.7 s in the cluster benchmark). 90 tokens can hit two chunks (64
-    tokens) at most, under a 96-token minimum."""
+    the scheduler thread instead of waiting in their queue, up to ``lookup_deadline_s``.
+    90 tokens can hit two chunks (64 tokens) at most, under a 96-token minimum."""
     rig = make_rig(
         served=True, lookup_wait_s=0.001, lookup_deadline_s=30, min_hit_tokens={"cpu": min_hit}
     )
