@@ -138,9 +138,17 @@ class RoutingCore:
         session: str | None = None,
         exclude: set[str] | frozenset[str] = frozenset(),
         subset: set[str] | None = None,
+        dispatch: bool = False,
     ) -> Routed:
         """Choose an instance. ``token_ids`` None: unknown (routing by load only);
-        ``subset``: only these instance names or URLs may be chosen. Raises ``NoBackend``."""
+        ``subset``: only these instance names or URLs may be chosen. Raises ``NoBackend``.
+
+        ``dispatch``: count the request as the chosen instance's load (``Backends.dispatched``)
+        before any other decision reads the loads. Decisions run on threads, side by side: a
+        request counted only after ``route`` returned was invisible to a decision made in
+        between, and two requests arriving together both went to the same idle instance
+        (``kvtier bench cluster``, docs/benchmarks-cluster.md run 8b). The caller then owes
+        ``Backends.finished`` for it, whatever happens next."""
         start = time.perf_counter()
         backends = self.backends.routable(exclude)
         if subset is not None:
@@ -148,13 +156,15 @@ class RoutingCore:
             if not backends:
                 raise NoBackend(False, "no healthy instance in the requested subset")
         coverage, keys_of = self._coverage(backends, token_ids, session)
-        candidates = [
-            Candidate(b.name, b.load(), coverage.get(b.name, Coverage())) for b in backends
-        ]
         request = RouteRequest(prompt_tokens, session, _spread_key(token_ids))
-        with self._policy_lock:
+        with self._policy_lock:  # loads read, choice made and (dispatch) counted as one
+            candidates = [
+                Candidate(b.name, b.load(), coverage.get(b.name, Coverage())) for b in backends
+            ]
             decision = self.policy.choose(request, candidates)
-        chosen = backends[decision.index]
+            chosen = backends[decision.index]
+            if dispatch:
+                self.backends.dispatched(chosen, prompt_tokens)
         keys = keys_of.get(chosen.namespace or b"")
         if keys:
             self.speculative.record(keys, chosen.name)

@@ -231,7 +231,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             subset = ex.subset | known
         try:
             routed = await asyncio.to_thread(
-                self.core.route, ids, prompt_tokens, session, frozenset(), subset
+                self.core.route, ids, prompt_tokens, session, frozenset(), subset, True
             )
         except NoBackend as exc:
             if self.on_route is not None:
@@ -245,8 +245,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.metrics.decisions.labels(self.core.policy.name, routed.decision.reason).inc()
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.predicted_cached.inc(routed.predicted_cached)
+        # counted as the chosen instance's load by route (dispatch)
         ex.routed, ex.backend, ex.prompt_tokens = routed, routed.backend, prompt_tokens
-        self.backends.dispatched(routed.backend, prompt_tokens)
 
         value = ",".join(self._endpoints(routed))
         metadata = struct_pb2.Struct()

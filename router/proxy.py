@@ -219,7 +219,7 @@ class Proxy:
         for attempt in range(self.config.retries + 1):
             try:
                 routed = await asyncio.to_thread(
-                    self.core.route, ids, prompt_tokens, session, frozenset(tried)
+                    self.core.route, ids, prompt_tokens, session, frozenset(tried), None, True
                 )
             except NoBackend as exc:
                 if last is not None:
@@ -228,11 +228,14 @@ class Proxy:
                 self.metrics.rejected.labels(str(status)).inc()
                 kind = "rate_limit_exceeded" if exc.saturated else "service_unavailable"
                 return error(status, str(exc), kind, retry_after=self.config.eject_s / 2)
-            self._count_decision(routed, attempt)
-            if attempt == 0 and self.offload is not None and ids is not None:
-                await self._maybe_offload(routed, path, forward, headers, ids, tried)
-            backend = routed.backend
-            self.backends.dispatched(backend, prompt_tokens)
+            backend = routed.backend  # counted as its load by route (dispatch)
+            try:
+                self._count_decision(routed, attempt)
+                if attempt == 0 and self.offload is not None and ids is not None:
+                    await self._maybe_offload(routed, path, forward, headers, ids, tried)
+            except BaseException:  # cancelled (the client left) or failed: uncount it
+                self.backends.finished(backend, prompt_tokens, got_first_token=False)
+                raise
             outgoing = self.client.build_request(
                 "POST", f"{backend.url}{path}", content=content, headers=headers
             )
