@@ -146,8 +146,8 @@ class RoutingCore:
         ``dispatch``: count the request as the chosen instance's load (``Backends.dispatched``)
         before any other decision reads the loads. Decisions run on threads, side by side: a
         request counted only after ``route`` returned was invisible to a decision made in
-        between, and two requests arriving together both went to the same idle instance
-        (``kvtier bench cluster``, docs/benchmarks-cluster.md run 8b). The caller then owes
+        between, and two requests sent 0.12 s apart both went to one instance (``kvtier bench
+        cluster``, docs/benchmarks-cluster.md run 8b). The caller then owes
         ``Backends.finished`` for it, whatever happens next."""
         start = time.perf_counter()
         backends = self.backends.routable(exclude)

@@ -4,8 +4,8 @@ The proxy and the endpoint picker run ``RoutingCore.route`` on threads (``asynci
 so two requests arriving together are decided side by side. Before ``route(dispatch=True)``
 the caller counted a request as its instance's load only once ``route`` had returned: a
 decision made in between saw that instance idle, and in ``kvtier bench cluster`` (run 8b) two
-MEDIUM prompts 0.12 s apart, decided at the same instant after the router stalled, both went
-to one idle instance while the other sat idle, and were that repeat's two slowest requests.
+MEDIUM prompts sent 0.12 s apart were decided on the same loads, both went to one instance,
+and were that repeat's two slowest requests.
 Here both decisions are held until each has passed its index query (a burst), then race for
 the choice; the same prompt twice, so that their tie-break is the same and only the load can
 tell them apart.
