@@ -231,7 +231,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             subset = ex.subset | known
         try:
             routed = await asyncio.to_thread(
-                self.core.route, ids, prompt_tokens, session, frozenset(), subset, True
+                self.core.route, ids, prompt_tokens, session, frozenset(), subset, dispatch=True
             )
         except NoBackend as exc:
             if self.on_route is not None:

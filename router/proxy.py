@@ -219,7 +219,7 @@ class Proxy:
         for attempt in range(self.config.retries + 1):
             try:
                 routed = await asyncio.to_thread(
-                    self.core.route, ids, prompt_tokens, session, frozenset(tried), None, True
+                    self.core.route, ids, prompt_tokens, session, frozenset(tried), dispatch=True
                 )
             except NoBackend as exc:
                 if last is not None:

@@ -90,19 +90,10 @@ def make_model(out_dir: str | Path, preset: str = "tiny") -> Path:
 
 
 def make_tiny_llama(
-    out_dir: str | Path,
-    *,
-    vocab_size: int = 512,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 32,
-    max_positions: int = 4096,
-    seed: int = 0,
-    dtype: str = "float32",
+    out_dir: str | Path, *, seed: int = 0, dtype: str = "float32", **shape: Any
 ) -> Path:
-    """Write the model and tokenizer to ``out_dir`` (once) and return it.
+    """Write the model and tokenizer to ``out_dir`` (once) and return it. ``shape``:
+    ``llama_config``'s sizes.
 
     Weights are scaled x5 so logits are far from uniform and logprob comparisons mean
     something. ``head_dim`` must be one vLLM's CPU attention supports (32, 64, 80, 96, ...).
@@ -114,17 +105,9 @@ def make_tiny_llama(
     if (out / "config.json").exists():
         return out
     torch.manual_seed(seed)
-    config = llama_config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_positions=max_positions,
-        dtype=dtype,
-    )
-    return _save_scaled(LlamaForCausalLM(config), out, vocab_size, getattr(torch, dtype))
+    config = llama_config(dtype=dtype, **shape)
+    model = LlamaForCausalLM(config)
+    return _save_scaled(model, out, config.vocab_size, getattr(torch, dtype))
 
 
 def llama_config(

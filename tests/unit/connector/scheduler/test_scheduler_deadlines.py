@@ -10,8 +10,10 @@ later step while vLLM holds the finished request's blocks.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -80,22 +82,14 @@ def test_a_request_nothing_could_hit_never_queues_behind_slow_lookups(
 
 def gate_waiters(rig) -> list[str]:
     """Names of the connector's lookup threads now inside the store's stalled lookup."""
-    import sys
-
     frames = sys._current_frames()
     return [
         t.name
         for t in threading.enumerate()
         if t.name.startswith("kvtier-lookup")
         and (frame := frames.get(t.ident or 0)) is not None
-        and any(f.f_code.co_name == "_call" for f in _stack(frame))
+        and any(f.f_code.co_name == "_call" for f, _ in traceback.walk_stack(frame))
     ]
-
-
-def _stack(frame):
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
 
 
 def test_one_wait_budget_per_step_and_a_bounded_queue(make_rig) -> None:
