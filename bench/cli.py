@@ -93,15 +93,24 @@ def bench_disk_io(
     chunk: Annotated[str, typer.Option(help="bytes per chunk file (a multiple of 4 KiB)")] = "8MiB",
     chunks: Annotated[int, typer.Option(help="files per round")] = 32,
     repeat: Annotated[int, typer.Option(help="rounds, the paths interleaved")] = 3,
+    segment: Annotated[
+        str, typer.Option(help="bytes per segment file of the segments path")
+    ] = "64MiB",
     json_out: JsonOut = None,
 ) -> None:
-    """The disk tier's chunk-file writes and reads beside O_DIRECT and the filesystem's
-    sequential floor, on the same bytes (docs/disk.md)."""
+    """The disk tier's chunk-file writes and reads beside O_DIRECT, segment files and the
+    filesystem's sequential floor, on the same bytes (docs/disk.md)."""
     from dataclasses import asdict
 
     from kvtier.bench.micro import disk_io
 
-    report = disk_io.run(directory, int(_bytes.validate_python(chunk)), chunks, repeat)
+    report = disk_io.run(
+        directory,
+        int(_bytes.validate_python(chunk)),
+        chunks,
+        repeat,
+        int(_bytes.validate_python(segment)),
+    )
     typer.echo(disk_io.format_report(report))
     _write(asdict(report), json_out)
 

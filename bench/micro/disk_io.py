@@ -11,6 +11,10 @@ Each round writes ``chunks`` chunk files of ``chunk`` bytes into a fresh directo
   preadv, drop the page cache, XXH3 of the data);
 - ``O_DIRECT``: the same files written and read with ``O_DIRECT`` from page-aligned buffers
   (fsync, rename and the checksum too, so only the I/O path differs);
+- ``segments``: what segment files would give (docs/disk.md asked to measure it before
+  building it): the same header-and-data records packed into files of ``--segment`` bytes,
+  one fsync and one rename per segment instead of per chunk; each chunk read with its header
+  check, the page cache dropped and its checksum, through one open per segment;
 - the floor: one file of all the bytes, one write and fsync, then one read with the page
   cache dropped (``dd``-style sequential I/O).
 
@@ -34,7 +38,7 @@ from kvtier.store.client.shm import checksum_views, page_aligned_empty
 from kvtier.store.disk import files
 from kvtier.store.disk.files import HEADER_BYTES, ChunkHeader, chunk_path, encode_header
 
-PATHS = ("kvtier", "O_DIRECT", "floor")
+PATHS = ("kvtier", "O_DIRECT", "segments", "floor")
 
 
 @dataclass
@@ -43,6 +47,7 @@ class DiskIoReport:
     chunk_bytes: int
     chunks: int
     repeat: int
+    segment_bytes: int
     # path -> [seconds per round]
     write_s: dict[str, list[float]] = field(default_factory=dict)
     read_s: dict[str, list[float]] = field(default_factory=dict)
@@ -53,10 +58,12 @@ class DiskIoReport:
         return total / statistics.median(seconds) / 1e9, total / min(seconds) / 1e9
 
 
-def run(directory: Path, chunk_bytes: int, chunks: int, repeat: int) -> DiskIoReport:
+def run(
+    directory: Path, chunk_bytes: int, chunks: int, repeat: int, segment_bytes: int = 64 << 20
+) -> DiskIoReport:
     if chunk_bytes % 4096:
         raise ValueError("--chunk must be a multiple of 4 KiB (O_DIRECT's unit)")
-    report = DiskIoReport(str(directory), chunk_bytes, chunks, repeat)
+    report = DiskIoReport(str(directory), chunk_bytes, chunks, repeat, segment_bytes)
     data = [page_aligned_empty(chunk_bytes) for _ in range(chunks)]
     rng = np.random.default_rng(0)
     for buf in data:
@@ -65,11 +72,14 @@ def run(directory: Path, chunk_bytes: int, chunks: int, repeat: int) -> DiskIoRe
     directory.mkdir(parents=True, exist_ok=True)
     for round_ in range(repeat):
         # interleaved, the order rotating, so no path always runs on a warmer disk
-        order = PATHS[round_ % 3 :] + PATHS[: round_ % 3]
-        for path in order:
+        turn = round_ % len(PATHS)
+        for path in PATHS[turn:] + PATHS[:turn]:
             root = Path(tempfile.mkdtemp(prefix=f"disk-io-{path}-", dir=directory))
             try:
-                write_s, read_s = _ROUND[path](root, data, into)
+                if path == "segments":
+                    write_s, read_s = _segments(root, data, into, segment_bytes)
+                else:
+                    write_s, read_s = _ROUND[path](root, data, into)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             report.write_s.setdefault(path, []).append(write_s)
@@ -131,6 +141,45 @@ def _direct(root: Path, data: list[np.ndarray], into: list[np.ndarray]) -> tuple
     return wrote, time.perf_counter() - start
 
 
+def _segments(
+    root: Path, data: list[np.ndarray], into: list[np.ndarray], segment_bytes: int
+) -> tuple[float, float]:
+    headers = _headers(data)
+    record = HEADER_BYTES + data[0].nbytes
+    per_segment = max(1, segment_bytes // record)
+    groups = [range(i, min(i + per_segment, len(data))) for i in range(0, len(data), per_segment)]
+    paths = [root / f"segment-{n:06d}" for n in range(len(groups))]
+    start = time.perf_counter()
+    for path, group in zip(paths, groups, strict=True):
+        tmp = path.with_name(path.name + files.TMP_MARK + "segment")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            for slot, i in enumerate(group):
+                head = encode_header(headers[i])
+                os.pwritev(fd, [head, data[i].data], slot * record)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    files.fsync_dirs({root})
+    wrote = time.perf_counter() - start
+    start = time.perf_counter()
+    for path, group in zip(paths, groups, strict=True):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for slot, i in enumerate(group):
+                offset = slot * record
+                header = files.decode_header(os.pread(fd, HEADER_BYTES, offset))
+                os.preadv(fd, [into[i].data], offset + HEADER_BYTES)
+                os.posix_fadvise(fd, offset, record, os.POSIX_FADV_DONTNEED)
+                if checksum_views([into[i]]) != header.checksum:
+                    raise files.BadChunkFile("segment record does not match its checksum")
+        finally:
+            os.close(fd)
+    return wrote, time.perf_counter() - start
+
+
 def _floor(root: Path, data: list[np.ndarray], into: list[np.ndarray]) -> tuple[float, float]:
     path = root / "floor.bin"
     start = time.perf_counter()
@@ -157,8 +206,9 @@ _ROUND = {"kvtier": _kvtier, "O_DIRECT": _direct, "floor": _floor}
 def format_report(report: DiskIoReport) -> str:
     total = report.chunk_bytes * report.chunks
     lines = [
-        f"disk-io: {report.chunks} files of {report.chunk_bytes >> 20} MiB "
-        f"({total >> 20} MiB a round), {report.repeat} rounds, in {report.directory}",
+        f"disk-io: {report.chunks} files of {report.chunk_bytes >> 10} KiB "
+        f"({total >> 20} MiB a round), {report.repeat} rounds, in {report.directory}; "
+        f"segments of {report.segment_bytes >> 20} MiB",
         f"{'path':<10} {'write GB/s med (best)':>22} {'read GB/s med (best)':>22}",
     ]
     for path in PATHS:

@@ -12,7 +12,8 @@ from kvtier.cli import app
 
 
 def test_every_path_is_timed_and_its_files_removed(tmp_path: Path) -> None:
-    report = disk_io.run(tmp_path, 64 << 10, chunks=3, repeat=2)
+    # two records a segment: the third chunk starts a second segment file
+    report = disk_io.run(tmp_path, 64 << 10, chunks=3, repeat=2, segment_bytes=2 * (68 << 10))
     for times in (report.write_s, report.read_s):
         assert sorted(times) == sorted(disk_io.PATHS)
         assert all(len(seconds) == 2 and min(seconds) > 0 for seconds in times.values())
