@@ -16,8 +16,8 @@ the best of ``repeat`` after a warm-up, wall clock from issue to the stream's co
   events) while the compute stream replays, per layer, a CUDA graph of one transformer
   layer's work on ``new_tokens`` new tokens (Llama-3-8B-sized projections and MLP, attention
   over the cached context), beside that compute alone and the copy alone: how much of the
-  copy the forward hides; and the same with ``verify_loads`` (the host checksums the pool
-  bytes after the copy).
+  copy the forward hides; and the same with ``verify_loads`` (the host checksums every
+  loaded chunk's pool bytes after the copy), on the worker's ``verify_threads`` and on one.
 """
 
 from __future__ import annotations
@@ -261,10 +261,13 @@ def _layer_wise(
     worker = ConnectorWorker(ConnectorConfig(chunk_tokens=geo.chunk_tokens), geo, rank=0)
     worker.register_kv_caches(views)
     compute = LayerCompute(new_tokens, context, kv_heads, head_size)
+    # distinct keys: the worker checks a key once (a chunk split over several copies)
     with_sums = [
-        ChunkCopy(c.extents, checksum_views(segment.views(c.extents)), 0, c.block_ids, b"k")
-        for c in chunks
+        ChunkCopy(c.extents, checksum_views(segment.views(c.extents)), 0, c.block_ids, key)
+        for key, c in ((i.to_bytes(16, "big"), c) for i, c in enumerate(chunks))
     ]
+    parallel = worker.config
+    serial = parallel.model_copy(update={"verify_threads": 1})
 
     def step(load: list[ChunkCopy] | None, forward: bool) -> None:
         jobs = (
@@ -285,9 +288,12 @@ def _layer_wise(
     default = kv.use_kernel
     kernel = kv.kv_words is not None
 
-    def path(use_kernel: bool, fn: Callable[[], None]) -> Callable[[], None]:
+    def path(
+        use_kernel: bool, fn: Callable[[], None], config: ConnectorConfig = parallel
+    ) -> Callable[[], None]:
         def run() -> None:
             kv.use_kernel = use_kernel
+            worker.config = config
             fn()
 
         return run
@@ -297,6 +303,9 @@ def _layer_wise(
         "load alone": path(default, lambda: step(chunks, False)),
         "load + forward": path(default, lambda: step(chunks, True)),
         "load + forward, verify_loads": path(default, lambda: step(with_sums, True)),
+        "load + forward, verify_loads, 1 thread": path(
+            default, lambda: step(with_sums, True), serial
+        ),
     }
     if kernel:  # the other way: the copy kernel shares the SMs, the copy engine does not
         other = "cudaMemcpy" if default else "copy kernel"

@@ -155,6 +155,14 @@ class ConnectorConfig(Section):
         description="check each loaded chunk's checksum before vLLM uses it (an XXH3 pass over "
         "its bytes: ~3 % of an 8k-token DRAM hit, docs/connector.md)",
     )
+    verify_threads: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="threads that checksum a load's chunks side by side; default: 1 on a CPU "
+        "engine (its forward owns the cores), on CUDA half the cores up to 8 (a PCIe gen 5 "
+        "copy outruns one thread's XXH3 ~4x: docs/benchmarks.md, CUDA copy path)",
+    )
     model_id: str | None = Field(
         None, description="model identity in chunk keys (default: vLLM's model name)"
     )

@@ -19,6 +19,7 @@ shim in for vLLM).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -28,7 +29,7 @@ from kvtier.bench.micro import kv_layouts
 from kvtier.connector import cuda_copy, paged_kv
 from kvtier.connector.streams import DeviceOrdering
 
-from support.kv_rig import KvRig, round_trip, same_bytes
+from support.kv_rig import KvRig, damaged_chunk_is_named, round_trip, same_bytes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -74,6 +75,20 @@ def _use(rig: KvRig, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
         paged.memcpy = cuda_copy.Memcpy(runtime=False)
     direct = 1 << 40 if path.endswith("staged") else 2 * rig.geometry.page_bytes
     monkeypatch.setattr(paged_kv, "DIRECT_MIN_BYTES", direct)
+
+
+@pytest.mark.parametrize("load", ["sync", "async"])
+def test_a_damaged_chunk_fails_its_load_and_is_named_by_the_parallel_checksums(
+    load: str, compute: torch.cuda.Stream
+) -> None:
+    """On CUDA a load's chunks are checksummed side by side (``verify_threads`` defaults to
+    half the cores, up to 8), after the copy engine moved them: the damaged one is named."""
+    rig = _rig(CASES[0])
+    try:
+        assert rig.worker.verify_threads() > 1 or (os.cpu_count() or 1) < 4
+        damaged_chunk_is_named(rig, is_async=load == "async")
+    finally:
+        rig.close()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -266,8 +281,6 @@ def test_a_hybrid_chunk_round_trips_group_by_group(
     """Two KV cache groups (full attention keeping a chunk's 4 blocks, a sliding window
     keeping its last 2): each layer copies its own group's blocks to its own place in the
     chunk, on the copy engine (the kernel path is for one full-attention layout only)."""
-    import os
-
     from kvtier.connector.layout import FULL, SLIDING_WINDOW, GroupGeometry, KvGeometry
     from kvtier.connector.metadata import ChunkCopy
     from kvtier.store.client.shm import SharedSegment

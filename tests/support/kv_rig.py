@@ -239,3 +239,24 @@ def round_trip(rig: KvRig, is_async: bool) -> None:
         views = rig.views_over(expected)
         for layer, name in enumerate(geo.layer_names):
             assert same_bytes(seen[layer].cpu(), views[name]), f"layer {layer} read torn KV"
+
+
+def damaged_chunk_is_named(rig: KvRig, is_async: bool) -> None:
+    """Save four chunks, damage one byte of the third in the pool, load all four with
+    ``verify_loads``: the load fails (every target block a load error) and the worker names
+    exactly the damaged chunk, whether its checksums run on one thread or side by side."""
+    per = rig.geometry.blocks_per_chunk
+    source, target = list(range(2, 2 + 4 * per)), list(range(30, 30 + 4 * per))
+    saved = rig.chunks(source)
+    assert rig.step(saves=[rig.save_job(saved)]).out.saved
+    loads = [
+        dataclasses.replace(c, block_ids=tuple(target[i * per : (i + 1) * per]))
+        for i, c in enumerate(rig.with_checksums(saved))
+    ]
+    offset, size = loads[2].extents[0]
+    byte = rig.segment.read([(offset + size - 1, 1)])
+    rig.segment.write([(offset + size - 1, 1)], bytes([byte[0] ^ 1]))
+    result = rig.step(loads=[rig.load_job(loads, is_async=is_async)])
+    assert result.out.corrupt == {"req-load": {(0, loads[2].key)}}
+    assert result.out.load_failed == {"req-load": {0}}
+    assert result.load_errors == set(target)

@@ -23,7 +23,7 @@ from kvtier.connector import cuda_copy, paged_kv
 from kvtier.connector import worker as worker_module
 from kvtier.connector.paged_kv import UnsupportedLayout
 
-from support.kv_rig import KvRig, round_trip
+from support.kv_rig import KvRig, damaged_chunk_is_named, round_trip
 
 CASES = kv_layouts.cases(layers=3, kv_heads=2, head_size=8)
 
@@ -132,6 +132,22 @@ class _MappedPool(paged_kv.PoolView):
         self.device_words = self.tensor.view(torch.int64)
 
 
+def _emulate_cuda(rig: KvRig, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's plans on host tensors, its streams the host's no-ops."""
+    paged = rig.worker.kv
+    assert paged is not None
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    direct = 2 * rig.geometry.page_bytes if path == "memcpy-direct" else 1 << 40
+    monkeypatch.setattr(paged_kv, "DIRECT_MIN_BYTES", direct)
+    paged.is_cuda = True
+    paged.wide_rows = [paged_kv._wide(rows) for rows in paged.rows]
+    if path == "kernel":
+        monkeypatch.setattr(cuda_copy.KernelPlan, "copy", _emulated_kernel)
+        monkeypatch.setattr(worker_module, "PoolView", _MappedPool)
+        paged.kv_words = cuda_copy.storage_words(paged.kv_flat)
+        paged.use_kernel = True
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("load", ["sync", "async"])
 @pytest.mark.parametrize("path", ["host", "memcpy-staged", "memcpy-direct", "kernel"])
@@ -146,18 +162,7 @@ def test_every_block_compact_layout_round_trips_through_the_pool(
     rig = KvRig(case, "cpu", num_blocks=48)
     try:
         if path != "host":
-            paged = rig.worker.kv
-            assert paged is not None
-            monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
-            direct = 2 * rig.geometry.page_bytes if path == "memcpy-direct" else 1 << 40
-            monkeypatch.setattr(paged_kv, "DIRECT_MIN_BYTES", direct)
-            paged.is_cuda = True
-            paged.wide_rows = [paged_kv._wide(rows) for rows in paged.rows]
-            if path == "kernel":
-                monkeypatch.setattr(cuda_copy.KernelPlan, "copy", _emulated_kernel)
-                monkeypatch.setattr(worker_module, "PoolView", _MappedPool)
-                paged.kv_words = cuda_copy.storage_words(paged.kv_flat)
-                paged.use_kernel = True
+            _emulate_cuda(rig, path, monkeypatch)
         calls = _emulated_kernel.calls  # type: ignore[attr-defined]
         round_trip(rig, is_async=load == "async")
         if path == "kernel":  # every layer's save and load went through the kernel
@@ -171,3 +176,24 @@ def test_layouts_that_split_a_page_are_refused_with_the_way_out(layout: str) -> 
     case = dataclasses.replace(kv_layouts.case_named("flash-attn"), layout=layout)
     with pytest.raises(UnsupportedLayout, match="VLLM_KV_CACHE_LAYOUT=LBNHC"):
         KvRig(case, "cpu", num_blocks=8)
+
+
+@pytest.mark.parametrize("threads", [None, 1, 3])
+@pytest.mark.parametrize("load", ["sync", "async"])
+@pytest.mark.parametrize("path", ["host", "memcpy-direct"])
+def test_a_damaged_chunk_fails_its_load_and_is_named(
+    threads: int | None, load: str, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify_threads``: None is the default (one thread on a CPU engine); 3 checksums the
+    chunks side by side, as a CUDA worker does. ``memcpy-direct``: the CUDA path's plans on
+    host tensors (tests/gpu runs it with real streams)."""
+    rig = KvRig(CASES[0], "cpu", num_blocks=48)
+    try:
+        if path != "host":
+            _emulate_cuda(rig, path, monkeypatch)
+        rig.worker.config = rig.worker.config.model_copy(update={"verify_threads": threads})
+        if path == "host":
+            assert rig.worker.verify_threads() == (threads or 1)
+        damaged_chunk_is_named(rig, is_async=load == "async")
+    finally:
+        rig.close()
