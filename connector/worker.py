@@ -17,7 +17,7 @@ Threading: called from vLLM's model-runner thread; sync loads run layer by layer
 thread (``kvtier-load``) so a layer's attention can start while later layers copy (different
 layers, never the same pages at once). A load's checksums run after its copies have ended
 (so a byte that changed under the copy also changes the sum), chunks side by side on
-``verify_threads`` threads (``kvtier-verify``, CUDA: one thread's XXH3 is ~4x slower than a
+``verify_threads`` threads (``kvtier-verify``, CUDA: one thread's XXH3 is ~8x slower than a
 PCIe gen 5 copy).
 
 Mapped segments (``_pools``) belong to the model-runner thread: every job's pool is mapped or

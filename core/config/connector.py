@@ -161,7 +161,7 @@ class ConnectorConfig(Section):
         le=64,
         description="threads that checksum a load's chunks side by side; default: 1 on a CPU "
         "engine (its forward owns the cores), on CUDA half the cores up to 8 (a PCIe gen 5 "
-        "copy outruns one thread's XXH3 ~4x: docs/benchmarks.md, CUDA copy path)",
+        "copy outruns one thread's XXH3 ~8x: docs/benchmarks.md, CUDA copy path)",
     )
     model_id: str | None = Field(
         None, description="model identity in chunk keys (default: vLLM's model name)"
