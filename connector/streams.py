@@ -56,6 +56,10 @@ class HostOrdering:
     def finish_loads(self) -> None:
         return None
 
+    def loads_issued(self) -> Any:
+        """Nothing to wait for: the copies were done when issued."""
+        return None
+
     def finish_saves(self) -> None:
         return None
 
@@ -119,6 +123,14 @@ class DeviceOrdering:
         """Block the calling thread until every load copy issued so far is done."""
         self.load_stream.synchronize()
         self.scatter_stream.synchronize()
+
+    def loads_issued(self) -> Any:
+        """An event the host can wait on (``synchronize``) for every pool read issued so
+        far: they all run on the load stream (uploads, direct copies, the copy kernel); the
+        scatter stream only moves staged pages on the device."""
+        event = self.backend.Event()
+        event.record(self.load_stream)
+        return event
 
     @contextlib.contextmanager
     def scattering(self) -> Iterator[None]:

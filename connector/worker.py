@@ -14,11 +14,11 @@ The copies themselves (``PagedKV``: pages, layouts, CPU and CUDA paths) are in
 ``paged_kv.py``; their ordering against the forward on CUDA in ``streams.py``.
 
 Threading: called from vLLM's model-runner thread; sync loads run layer by layer on one extra
-thread (``kvtier-load``) so a layer's attention can start while later layers copy (different
-layers, never the same pages at once). A load's checksums run after its copies have ended
-(so a byte that changed under the copy also changes the sum), chunks side by side on
-``verify_threads`` threads (``kvtier-verify``, CUDA: one thread's XXH3 is ~8x slower than a
-PCIe gen 5 copy).
+thread (``kvtier-load``, ``sync_loads.py``) so a layer's attention can start while later
+layers copy. A load's checksums read each byte after the copy that read it has ended (so a
+byte that changed under the copy also changes the sum), chunks side by side on
+``verify_threads`` threads (``kvtier-verify``, ``load_sums.py``; on CUDA one thread's XXH3 is
+~8x slower than a PCIe gen 5 copy).
 
 Mapped segments (``_pools``) belong to the model-runner thread: every job's pool is mapped or
 looked up there (a sync load's before its thread starts, which gets the ``PoolView``), and is
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +43,7 @@ import torch
 
 from kvtier.connector.counters import C, Tally
 from kvtier.connector.layout import KvGeometry
-from kvtier.connector.load_sums import Verifiers, bad_chunks
+from kvtier.connector.load_sums import LayerwiseSums, Verifiers, bad_chunks
 from kvtier.connector.metadata import (
     KvtierMetadata,
     KvtierWorkerMetadata,
@@ -53,6 +52,7 @@ from kvtier.connector.metadata import (
     SegmentRef,
 )
 from kvtier.connector.paged_kv import CopyPlan, PagedKV, PoolView
+from kvtier.connector.sync_loads import SyncLoads
 from kvtier.core.config.connector import ConnectorConfig
 from kvtier.store.client.shm import map_segment
 
@@ -91,9 +91,7 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         self._out = KvtierWorkerMetadata()
         self.stats = Tally()
-        # layer-wise sync loading
-        self._layer_ready: list[threading.Event] = []
-        self._load_thread: threading.Thread | None = None
+        self.sync_loads = SyncLoads(self)  # layer-wise sync loading (the kvtier-load thread)
         self._layer_index = {name: i for i, name in enumerate(geometry.layer_names)}
         # layer-wise saving, per step
         self._saved_layers: set[int] = set()
@@ -106,7 +104,6 @@ class ConnectorWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv = PagedKV(kv_caches, self.geometry, self.config.cuda_copy_kernel)
-        self._layer_ready = [threading.Event() for _ in self.geometry.layer_names]
         log.info(
             "kvtier worker rank %d: %d layers, %d-byte pages, %d-byte chunks, on %s",
             self.rank,
@@ -136,15 +133,7 @@ class ConnectorWorker:
             if sync_jobs:
                 # mapped here, not on the load thread: _pools is this thread's alone
                 pools = {job.req_id: self._job_pool(job) for job in sync_jobs}
-                for event in self._layer_ready:
-                    event.clear()
-                self._load_thread = threading.Thread(
-                    target=self._load_layers,
-                    args=(sync_jobs, pools),
-                    name="kvtier-load",
-                    daemon=True,
-                )
-                self._load_thread.start()
+                self.sync_loads.start(sync_jobs, pools)
         except Exception as exc:  # never take the engine down: every load of the step fails
             log.exception("kvtier: starting loads failed")
             for job in meta.loads:
@@ -152,8 +141,7 @@ class ConnectorWorker:
                     self._fail_load(job, repr(exc))
                 if job.is_async:
                     self._finished_recving.add(job.req_id)
-            for event in self._layer_ready:
-                event.set()
+            self.sync_loads.release_layers()
 
     def _job_pool(self, job: LoadJob) -> PoolView | None:
         """The held pool of a sync load (model-runner thread); None, the load failed, when its
@@ -166,48 +154,14 @@ class ConnectorWorker:
             self._fail_load(job, repr(exc))
             return None
 
-    def _load_layers(self, jobs: list[LoadJob], pools: dict[str, PoolView | None]) -> None:
-        """The ``kvtier-load`` thread: copies through ``pools`` (mapped and held for it by
-        the model-runner thread), never touches ``_pools``."""
-        try:
-            plans: dict[str, CopyPlan | None] = {}
-            for job in jobs:  # once per job for all layers; a failure fails that job only
-                plans[job.req_id] = None
-                chunks = job.chunks.get(self.rank, [])
-                failed = job.failed or job.req_id in self._out.load_failed
-                if self.kv is not None and chunks and not failed:
-                    try:
-                        plans[job.req_id] = self.kv.plan(chunks)
-                    except Exception as exc:
-                        self._fail_load(job, repr(exc))
-            last = self.geometry.num_layers - 1
-            for layer in range(self.geometry.num_layers):
-                for job in jobs:
-                    if job.req_id not in self._out.load_failed:
-                        pool = pools[job.req_id]
-                        self._run_load(job, plans[job.req_id], (layer,), layer == last, pool)
-                self._layer_ready[layer].set()
-        finally:
-            for event in self._layer_ready:
-                event.set()  # never leave the forward waiting
-
     def _verifier_pool(self) -> ThreadPoolExecutor | None:
         return self._verifiers.pool(self.verify_threads())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._load_thread is None:
-            return
-        layer = self._layer_index.get(layer_name)
-        if layer is None:
-            return
-        self._layer_ready[layer].wait()
-        assert self.kv is not None
-        self.kv.wait_layer(layer)
+        self.sync_loads.wait_for_layer(layer_name)
 
     def _finish_sync_loads(self) -> None:
-        if self._load_thread is not None:
-            self._load_thread.join()
-            self._load_thread = None
+        self.sync_loads.join()
 
     def _run_load(
         self,
@@ -216,6 +170,7 @@ class ConnectorWorker:
         layers: range | tuple[int, ...],
         final: bool = True,
         pool: PoolView | None = None,
+        sums: LayerwiseSums | None = None,
     ) -> None:
         """Copy ``layers`` of a load job through ``pool`` (a sync load's, held for it), or
         through the job's segment mapped here (async loads: the model-runner thread)."""
@@ -243,7 +198,7 @@ class ConnectorWorker:
                 if not pool.segment.is_live():
                     raise RuntimeError("the store restarted during the copy")
                 if job.verify:
-                    self._verify(job, pool)
+                    self._verify(job, pool, sums)
         except Exception as exc:
             self._fail_load(job, repr(exc))
             self._drain_loads()  # copies issued before the failure end before the pool may go
@@ -267,11 +222,13 @@ class ConnectorWorker:
             return 1
         return max(1, min(8, (os.cpu_count() or 2) // 2))
 
-    def _verify(self, job: LoadJob, pool: PoolView) -> None:
+    def _verify(self, job: LoadJob, pool: PoolView, sums: LayerwiseSums | None = None) -> None:
         """Check every loaded chunk against its checksum (after its copies ended, so a byte
-        that changed under a copy changes the sum too); report exactly the bad ones."""
+        that changed under a copy changes the sum too); report exactly the bad ones.
+        ``sums``: taken layer by layer as the copies ended (CUDA sync loads)."""
         chunks = job.chunks.get(self.rank, [])
-        bad, unsummed = bad_chunks(chunks, pool.segment.array, self._verifier_pool())
+        taken = sums.bad(job.req_id) if sums is not None else None
+        bad, unsummed = bad_chunks(chunks, pool.segment.array, self._verifier_pool(), taken)
         if unsummed:
             self.stats.add(C.UNVERIFIED_CHUNKS, unsummed)
         if bad:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvtier.bench.micro import kv_layouts
-from kvtier.connector import cuda_copy, paged_kv
+from kvtier.connector import cuda_copy, paged_kv, sync_loads
 from kvtier.connector import worker as worker_module
 from kvtier.connector.paged_kv import UnsupportedLayout
 
@@ -180,20 +180,64 @@ def test_layouts_that_split_a_page_are_refused_with_the_way_out(layout: str) -> 
 
 @pytest.mark.parametrize("threads", [None, 1, 3])
 @pytest.mark.parametrize("load", ["sync", "async"])
-@pytest.mark.parametrize("path", ["host", "memcpy-direct"])
+@pytest.mark.parametrize("path", ["host", "memcpy-direct", "memcpy-direct-layerwise"])
 def test_a_damaged_chunk_fails_its_load_and_is_named(
     threads: int | None, load: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``verify_threads``: None is the default (one thread on a CPU engine); 3 checksums the
     chunks side by side, as a CUDA worker does. ``memcpy-direct``: the CUDA path's plans on
-    host tensors (tests/gpu runs it with real streams)."""
+    host tensors (tests/gpu runs it with real streams); ``-layerwise``: a sync load's sums
+    taken as each layer's copies end (``load_sums.LayerwiseSums``)."""
     rig = KvRig(CASES[0], "cpu", num_blocks=48)
     try:
         if path != "host":
-            _emulate_cuda(rig, path, monkeypatch)
+            _emulate_cuda(rig, "memcpy-direct", monkeypatch)
+        if path.endswith("layerwise"):  # the test's chunks are small: follow the copies anyway
+            monkeypatch.setattr(sync_loads, "LAYERWISE_MIN_SLICE_BYTES", 0)
         rig.worker.config = rig.worker.config.model_copy(update={"verify_threads": threads})
         if path == "host":
             assert rig.worker.verify_threads() == (threads or 1)
         damaged_chunk_is_named(rig, is_async=load == "async")
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("fault", ["event", "hash"])
+def test_a_layer_wise_checksum_that_fails_fails_its_load(
+    fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA path (emulated): the event after a layer's copies cannot be made, or the
+    hashing thread fails: the load fails (every target block recomputed), nothing hangs."""
+    from kvtier.connector import load_sums
+
+    monkeypatch.setattr(sync_loads, "LAYERWISE_MIN_SLICE_BYTES", 0)
+    rig = KvRig(CASES[0], "cpu", num_blocks=48)
+    try:
+        _emulate_cuda(rig, "memcpy-direct", monkeypatch)
+        paged = rig.worker.kv
+        assert paged is not None
+        per = rig.geometry.blocks_per_chunk
+        source, target = list(range(2, 2 + 2 * per)), list(range(30, 30 + 2 * per))
+        saved = rig.chunks(source)
+        assert rig.step(saves=[rig.save_job(saved)]).out.saved
+        loads = [
+            dataclasses.replace(c, block_ids=tuple(target[i * per : (i + 1) * per]))
+            for i, c in enumerate(rig.with_checksums(saved))
+        ]
+        if fault == "event":
+
+            def no_event() -> None:
+                raise RuntimeError("CUDA error: out of memory")
+
+            monkeypatch.setattr(paged.ordering, "loads_issued", no_event)
+        else:
+
+            def broken(self: object, part: object) -> None:
+                raise RuntimeError("hashing failed")
+
+            monkeypatch.setattr(load_sums.LayerwiseSums, "_follow", broken)
+        result = rig.step(loads=[rig.load_job(loads, is_async=False)])
+        assert result.load_errors == set(target)
+        assert result.out.load_failed == {"req-load": {0}} and not result.out.loaded
     finally:
         rig.close()
