@@ -79,14 +79,14 @@ class SyncLoads:
         """The ``kvtier-load`` thread: copies through ``pools`` (mapped and held for it by
         the model-runner thread), never touches the worker's mappings."""
         worker = self.worker
-        failed = worker._out.load_failed
         sums: dict[str, LayerwiseSums] = {}
         try:
             plans: dict[str, CopyPlan | None] = {}
             for job in jobs:  # once per job for all layers; a failure fails that job only
                 plans[job.req_id] = None
                 chunks = job.chunks.get(worker.rank, [])
-                if worker.kv is not None and chunks and not job.failed and job.req_id not in failed:
+                failed = job.failed or job.req_id in worker._out.load_failed
+                if worker.kv is not None and chunks and not failed:
                     try:
                         plans[job.req_id] = worker.kv.plan(chunks)
                     except Exception as exc:
@@ -95,7 +95,7 @@ class SyncLoads:
             last = worker.geometry.num_layers - 1
             for layer in range(worker.geometry.num_layers):
                 for job in jobs:
-                    if job.req_id not in failed:
+                    if job.req_id not in worker._out.load_failed:
                         final = layer == last and job.req_id not in sums
                         worker._run_load(job, plans[job.req_id], (layer,), final, pools[job.req_id])
                 if sums:

@@ -58,11 +58,13 @@ ENGINE = [  # every hit: vLLM's hooks, the scheduler side, the pool tier, the wo
     "connector/group_blocks.py",  # which blocks of each KV cache group a load fills
     "connector/layout.py",
     "connector/load_copies.py",  # the load's copies per rank
+    "connector/load_sums.py",  # the loaded chunks' checksums
     "connector/lookup.py",
     "connector/lookup_waits.py",  # the lookup in flight, waited for within the step's budget
     "connector/paged_kv.py",
     "connector/scheduler.py",
     "connector/streams.py",
+    "connector/sync_loads.py",  # the layer-wise load thread
     "connector/vllm_connector.py",
     "connector/worker.py",
     "store/client/shm.py",
