@@ -241,18 +241,25 @@ def round_trip(rig: KvRig, is_async: bool) -> None:
             assert same_bytes(seen[layer].cpu(), views[name]), f"layer {layer} read torn KV"
 
 
-def damaged_chunk_is_named(rig: KvRig, is_async: bool) -> None:
-    """Save four chunks, damage one byte of the third in the pool, load all four with
-    ``verify_loads``: the load fails (every target block a load error) and the worker names
-    exactly the damaged chunk, whether its checksums run on one thread or side by side."""
+def saved_for_loading(rig: KvRig, chunks: int) -> tuple[list[ChunkCopy], list[int]]:
+    """Save ``chunks`` chunks from blocks 2..; return them checksummed and aimed at blocks
+    30.. (a load's copies), and those target blocks."""
     per = rig.geometry.blocks_per_chunk
-    source, target = list(range(2, 2 + 4 * per)), list(range(30, 30 + 4 * per))
+    source, target = list(range(2, 2 + chunks * per)), list(range(30, 30 + chunks * per))
     saved = rig.chunks(source)
     assert rig.step(saves=[rig.save_job(saved)]).out.saved
     loads = [
         dataclasses.replace(c, block_ids=tuple(target[i * per : (i + 1) * per]))
         for i, c in enumerate(rig.with_checksums(saved))
     ]
+    return loads, target
+
+
+def damaged_chunk_is_named(rig: KvRig, is_async: bool) -> None:
+    """Save four chunks, damage one byte of the third in the pool, load all four with
+    ``verify_loads``: the load fails (every target block a load error) and the worker names
+    exactly the damaged chunk, whether its checksums run on one thread or side by side."""
+    loads, target = saved_for_loading(rig, 4)
     offset, size = loads[2].extents[0]
     byte = rig.segment.read([(offset + size - 1, 1)])
     rig.segment.write([(offset + size - 1, 1)], bytes([byte[0] ^ 1]))

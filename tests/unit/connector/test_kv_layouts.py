@@ -23,7 +23,7 @@ from kvtier.connector import cuda_copy, paged_kv, sync_loads
 from kvtier.connector import worker as worker_module
 from kvtier.connector.paged_kv import UnsupportedLayout
 
-from support.kv_rig import KvRig, damaged_chunk_is_named, round_trip
+from support.kv_rig import KvRig, damaged_chunk_is_named, round_trip, saved_for_loading
 
 CASES = kv_layouts.cases(layers=3, kv_heads=2, head_size=8)
 
@@ -216,14 +216,7 @@ def test_a_layer_wise_checksum_that_fails_fails_its_load(
         _emulate_cuda(rig, "memcpy-direct", monkeypatch)
         paged = rig.worker.kv
         assert paged is not None
-        per = rig.geometry.blocks_per_chunk
-        source, target = list(range(2, 2 + 2 * per)), list(range(30, 30 + 2 * per))
-        saved = rig.chunks(source)
-        assert rig.step(saves=[rig.save_job(saved)]).out.saved
-        loads = [
-            dataclasses.replace(c, block_ids=tuple(target[i * per : (i + 1) * per]))
-            for i, c in enumerate(rig.with_checksums(saved))
-        ]
+        loads, target = saved_for_loading(rig, 2)
         if fault == "event":
 
             def no_event() -> None:
