@@ -60,7 +60,7 @@ def bad_chunks(
     """(keys of the loaded ``chunks`` whose pool bytes fail their checksum, how many had no
     checksum to check). A chunk split over several copies is checked once; chunks hash side
     by side on ``verifiers`` when given. ``taken``: the bad keys ``LayerwiseSums`` found."""
-    todo: list[tuple[bytes, int, list[np.ndarray]]] = []
+    todo: list[ChunkCopy] = []
     seen: set[bytes] = set()
     unsummed = 0
     for chunk in chunks:
@@ -70,14 +70,16 @@ def bad_chunks(
         if not chunk.checksum:
             unsummed += 1
             continue
-        todo.append((chunk.key, chunk.checksum, [segment[o : o + n] for o, n in chunk.extents]))
+        todo.append(chunk)
     if taken is not None:
         return taken, unsummed
+    views = [[segment[o : o + n] for o, n in chunk.extents] for chunk in todo]
     if verifiers is not None and len(todo) > 1:  # XXH3 releases the GIL
-        got = list(verifiers.map(checksum_views, [views for _, _, views in todo]))
+        got = list(verifiers.map(checksum_views, views))
     else:
-        got = [checksum_views(views) for _, _, views in todo]
-    return [key for (key, want, _), sum_ in zip(todo, got, strict=True) if sum_ != want], unsummed
+        got = [checksum_views(chunk_views) for chunk_views in views]
+    bad = [chunk.key for chunk, sum_ in zip(todo, got, strict=True) if sum_ != chunk.checksum]
+    return bad, unsummed
 
 
 @dataclass

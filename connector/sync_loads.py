@@ -40,7 +40,6 @@ class SyncLoads:
 
     def __init__(self, worker: ConnectorWorker) -> None:
         self.worker = worker
-        self._layer_index = {name: i for i, name in enumerate(worker.geometry.layer_names)}
         self._ready = [threading.Event() for _ in worker.geometry.layer_names]
         self._thread: threading.Thread | None = None
 
@@ -62,7 +61,7 @@ class SyncLoads:
     def wait_for_layer(self, layer_name: str) -> None:
         if self._thread is None:
             return
-        layer = self._layer_index.get(layer_name)
+        layer = self.worker._layer_index.get(layer_name)
         if layer is None:
             return
         self._ready[layer].wait()
