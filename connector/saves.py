@@ -388,7 +388,8 @@ class SavePlanner:
             self._ops.submit(self._commit_step, commits)
 
     def _abort_pending(self, pending: PendingSave, why: Counter) -> None:
-        self._count(why, sum(pending.counts.values()))
+        # chunks, as _drop counts them: a chunk copied on every rank is one chunk, not N
+        self._count(why, max(pending.counts.values(), default=0))
         # recompute may save these chunks again once the blocks hold valid KV
         pending.state.saved_upto = min(pending.state.saved_upto, pending.start)
         for lease_id in pending.leases.values():

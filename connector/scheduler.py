@@ -443,7 +443,10 @@ class ConnectorScheduler:
             by_rank.setdefault(rank, []).append(key)
         for rank, keys in by_rank.items():
             self._count(C.CORRUPT_CHUNKS_DELETED, len(keys))
-            self._ops.submit(self._quiet_delete, state.ns_ids[rank], keys)
+            # on the alloc thread (FIFO), not the ops thread: ahead of the recompute's
+            # allocation, which would otherwise find the corrupt chunk still there (EXISTS),
+            # not save the clean copy, and leave a hole once the delete ran
+            self._alloc.submit(self._quiet_delete, state.ns_ids[rank], keys)
 
     def _quiet_delete(self, ns_id: bytes, keys: list[bytes]) -> None:
         try:

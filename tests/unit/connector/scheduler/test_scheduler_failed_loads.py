@@ -104,3 +104,23 @@ def test_external_tokens_never_offered_become_load_errors(rig) -> None:
     step = rig.step([(request, 32, request.num_tokens - 32)])
     assert step.invalid_block_ids == set(blocks[:2])
     assert rig.lookup(request, 0) == 0
+
+
+def test_the_corrupt_chunk_is_gone_before_the_recompute_saves_it_again(make_rig) -> None:
+    """The delete of the chunk that failed its checksum is a store call off the scheduler
+    thread (here a slow one, stalled until the recompute's step has run). The recompute's
+    allocation must not run before it: it would find the damaged chunk still there (EXISTS),
+    not save the clean copy, and leave a hole in the prefix once the delete ran."""
+    rig = make_rig(served=True, save_wait_s=0.05)
+    rig.seed(PROMPT)
+    request = rig.request("r", PROMPT + EXTRA)
+    assert rig.admit(request) == 160
+    gate = rig.store.stall("delete")
+    step = rig.step([(request, 160, len(EXTRA))], before_workers=damage_last_chunk(rig))
+    assert step.invalid_block_ids
+    rig.step([(request, 0, request.num_tokens)], finished=[request])
+    gate.set()  # the delete completes only now
+    for calls in (rig.sched._alloc, rig.sched._ops):  # every store call queued so far is made
+        calls.submit(lambda: None).result()
+    rig.steps_until(lambda: rig.stored(PROMPT + EXTRA) == 7 and rig.write_leases() == 0)
+    assert rig.counts()["corrupt_chunks_deleted"] == 1
