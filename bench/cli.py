@@ -115,6 +115,37 @@ def bench_disk_io(
     _write(asdict(report), json_out)
 
 
+@bench_app.command("disk-writeback")
+def bench_disk_writeback(
+    directory: Annotated[
+        Path, typer.Option("--dir", help="the disk tier's directory (its filesystem measured)")
+    ] = Path("results/disk-writeback"),
+    pools: Annotated[str, typer.Option(help="DRAM pool sizes")] = "512MiB,2GiB",
+    rates: Annotated[
+        str, typer.Option(help="rates of new KV, as multiples of the disk's write floor")
+    ] = "0.25,0.5,1,2",
+    chunk: Annotated[str, typer.Option(help="bytes per chunk")] = "2MiB",
+    seconds: Annotated[float, typer.Option(help="measured seconds per run")] = 8.0,
+    plot: Annotated[Path | None, typer.Option(help="also draw the shares (PNG)")] = None,
+    json_out: JsonOut = None,
+) -> None:
+    """What share of evicted chunks the disk tier had copied, write-back against
+    write-through, as new KV arrives at multiples of the disk's bandwidth (docs/disk.md)."""
+    from kvtier.bench.micro import disk_writeback
+
+    report = disk_writeback.run(
+        directory,
+        [int(_bytes.validate_python(p)) for p in pools.split(",")],
+        [float(r) for r in rates.split(",")],
+        int(_bytes.validate_python(chunk)),
+        seconds,
+    )
+    typer.echo(disk_writeback.format_report(report))
+    if plot is not None:
+        disk_writeback.plot([report], plot)
+    _write(report, json_out)
+
+
 @bench_app.command("kv-copy")
 def bench_kv_copy(
     tokens: Annotated[
