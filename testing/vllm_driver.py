@@ -24,6 +24,8 @@ spec = {"model": path, "kv_transfer_config": {...} | None, "block_size": 32, ...
     {"op": "metrics"}                vLLM's counters (vllm:* names)
     {"op": "connector_timing"}       seconds spent in the scheduler-side connector per step
     {"op": "sleep", "seconds": s}    let background work happen (e.g. an index following)
+    {"op": "write_file", "path": p, "text": t}  write a file (``testing.disk_faults`` reads
+                                     its control file before each chunk-file call)
     {"op": "signal", "pid": N, "signal": "SIGSTOP"}  signal another process (a store)
     {"op": "fault", "kind": ..., ...}  fault injection (``fault_injection.py``): fired right
                                      after a lookup, before its load, once or "every" time
@@ -366,6 +368,9 @@ def main(spec: dict) -> list[Any]:
                 results.append(None)
             elif op == "sleep":
                 time.sleep(phase["seconds"])
+                results.append(None)
+            elif op == "write_file":  # e.g. what a store's injected disk faults read
+                Path(phase["path"]).write_text(phase["text"])
                 results.append(None)
             elif op == "damage_files":
                 how, directory = phase.get("how", "flip"), Path(phase["dir"])

@@ -1,6 +1,6 @@
 """The disk tier's fault drills (``kvtier bench faults``; docs/disk.md, "Failures").
 
-Both run a node store with the disk tier (write-through: every chunk copied to disk within
+Each runs a node store with the disk tier (write-through: every chunk copied to disk within
 ~50 ms) and a 1 MiB pool that the drill overflows, so prompts come back from disk:
 
 - ``disk-bad-files``: A is stored (and copied to disk), filler prompts evict it from DRAM,
@@ -10,6 +10,10 @@ Both run a node store with the disk tier (write-through: every chunk copied to d
   pass then reads back whatever was saved.
 - ``disk-store-killed``: A is stored and copied to disk, the store is SIGKILLed and another
   started on the same directory; a new instance's B (all in flight) and A hit from disk.
+- ``disk-io-errors``: the store's chunk-file calls fail on demand (``testing.disk_faults``:
+  ENOSPC, EIO, a read-only filesystem, nothing else makes them on demand): a group of prompts
+  stored under each write error and evicted, one group copied to disk and evicted, then every
+  read fails with EIO while all the groups are in flight at once. All recompute, exactly.
 
 Every output is compared with the reference, bit for bit (``run.tally``).
 """
@@ -18,10 +22,11 @@ from __future__ import annotations
 
 import random
 import shutil
+import sys
 from pathlib import Path
 
 from kvtier.bench.faults.run import DrillContext, DrillResult, add_counters, generate, tally
-from kvtier.testing.services import Service, disk_env, start_store
+from kvtier.testing.services import Service, disk_env, start_store, store_stats
 
 RESET = {"op": "reset_prefix_cache"}
 SETTLE = {"op": "settle"}
@@ -110,6 +115,62 @@ def disk_store_killed(ctx: DrillContext) -> DrillResult:
     return result
 
 
+def disk_io_errors(ctx: DrillContext) -> DrillResult:
+    """The store's chunk-file I/O fails (``testing.disk_faults``: the one fake here): writes
+    with ENOSPC, then EIO, then a read-only filesystem, each while a group of prompts is
+    stored and evicted (none reaches the disk); then, writes healthy, a group is copied to
+    disk and evicted from DRAM, and every read fails with EIO while all the groups come back
+    at once. Every answer exact, the store serving throughout, no temporary file left."""
+    result = DrillResult("", "")
+    groups = [ctx.prompts(seed).a for seed in (35, 36, 37, 38)]
+    disk = _fresh_dir(ctx, "disk-io-errors")
+    control = ctx.workdir / "disk-io-errors.fault"
+    control.unlink(missing_ok=True)
+    wrapper = (sys.executable, "-m", "kvtier.testing.disk_faults", str(control), "--")
+    env = disk_env(disk, KVTIER_STORE__MAX_BATCH_FRACTION="1")
+    store = start_store(ctx.run_dir, POOL, "drill-disk", remote=False, env=env, wrapper=wrapper)
+    phases: list[dict] = []
+    answers: list[tuple[int, list[list[int]]]] = []
+
+    def fault(text: str) -> None:
+        phases.append({"op": "write_file", "path": str(control), "text": text})
+
+    def ask(prompts: list[list[int]], **more: bool) -> None:
+        answers.append((len(phases), prompts))
+        phases.append(generate(prompts) | more)
+
+    try:
+        for kind, group in zip(("write ENOSPC", "write EIO", "write EROFS"), groups, strict=False):
+            fault(kind)
+            ask(group)
+            phases.extend([SETTLE, COPIED])
+        phases.extend([generate(_filler(34)), SETTLE, COPIED])  # evicted, never copied
+        fault("")
+        ask(groups[3])  # copied to disk ...
+        phases.extend([SETTLE, COPIED, generate(_filler(39)), SETTLE, COPIED])  # ... not in DRAM
+        fault("read EIO")
+        phases.append(RESET)
+        ask([p for group in groups for p in group], batch=True)
+        phases.append(SETTLE)
+        fault("")
+        phases.append(METRICS)
+        out = ctx.vllm(phases, _config(ctx, store))
+        reference = ctx.reference([p for group in groups for p in group])
+        for i, prompts in answers:
+            last = i == answers[-1][0]  # the one phase in flight at once
+            tally(result, out[i], prompts, reference, timed=last, batched=last)
+        add_counters(result, out[-1])
+        stats = store_stats(store.address, store.pid) or {}
+        for name in ("disk_write_errors", "disk_read_errors", "disk_chunks"):
+            result.counters[f"store_{name}"] = float(stats.get(name, 0))
+        leftovers = [p for p in disk.rglob("*") if ".tmp-" in p.name]
+        result.counters["temporary_files_left"] = float(len(leftovers))
+        result.engine_crashes += int(store.proc.poll() is not None)  # the store served on
+    finally:
+        store.stop()
+    return result
+
+
 DISK_DRILLS = {
     "disk-bad-files": (
         "every chunk file on the node's disk damaged but each prompt's first, then every "
@@ -120,5 +181,10 @@ DISK_DRILLS = {
         "the store is SIGKILLed with the prompts on its disk; another store on the same "
         "directory serves them to requests in flight at once",
         disk_store_killed,
+    ),
+    "disk-io-errors": (
+        "the disk tier's writes fail (ENOSPC, EIO, read-only filesystem), then its reads (EIO) "
+        "while every request is in flight at once",
+        disk_io_errors,
     ),
 }

@@ -110,6 +110,19 @@ def test_bad_disk_files_are_misses_under_concurrent_loads(drills: DrillContext) 
     assert result.counters["disk_hit_tokens"] > 0  # batched requests: the connector's count
 
 
+def test_disk_write_and_read_errors_are_misses_and_the_store_serves_on(
+    drills: DrillContext,
+) -> None:
+    result = run(drills, "disk-io-errors")  # 0 wrong tokens, the store alive throughout
+    assert result.counters["store_disk_write_errors"] >= 3, result.counters  # one per kind
+    assert result.counters["store_disk_read_errors"] >= 1, result.counters
+    assert result.counters["temporary_files_left"] == 0
+    # the stages that met the failing reads came back short: those requests recomputed
+    counts = result.counters
+    stages = counts.get("disk_stage_errors", 0) + counts.get("disk_stage_short", 0)
+    assert stages > 0, counts
+
+
 def test_a_killed_stores_disk_serves_the_next_store(drills: DrillContext) -> None:
     result = run(drills, "disk-store-killed")
     # B shares A's first 256 tokens (4 chunks): all from the new store's disk
