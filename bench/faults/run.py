@@ -186,6 +186,9 @@ def _pkey(prompt: list[int] | dict) -> str:
 # share the schedule. So for requests decoded together the drill compares what is exact
 # whatever the batch: the prompt logprobs past the cached prefix and the first sampled
 # position (its token and top logprobs), which reads every position's KV, loaded or not.
+# Whole prompts prefilled together can differ at the first position too: 400 whole 300-token
+# prompts in flight at once (no cache anywhere) gave 7 first positions off by ~1e-6 against
+# one at a time (2026-11-28), so a drill whose requests all recompute runs them in sequence.
 # Exactness of later decode steps over loaded KV is held by tests/support/engine_rig.py instead.
 
 

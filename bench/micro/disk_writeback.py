@@ -77,7 +77,7 @@ def disk_floor(directory: Path, seconds: float = 4.0, piece: int = 64 << 20) -> 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         while time.perf_counter() - start < seconds:
-            view = memoryview(data)
+            view = memoryview(data.data)
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
