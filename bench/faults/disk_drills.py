@@ -141,12 +141,13 @@ def disk_io_errors(ctx: DrillContext) -> DrillResult:
     def fault(text: str) -> None:
         phases.append({"op": "write_file", "path": str(control), "text": text})
 
-    def ask(prompts: list[list[int]], **more: bool) -> None:
+    def ask(prompts: list[list[int]]) -> None:
         answers.append((len(phases), prompts))
-        phases.append(generate(prompts) | more)
+        phases.append(generate(prompts))
 
     try:
-        for kind, group in zip(("write ENOSPC", "write EIO", "write EROFS"), groups, strict=False):
+        kinds = ("write ENOSPC", "write EIO", "write EROFS")
+        for kind, group in zip(kinds, groups[:3], strict=True):
             fault(kind)
             ask(group)
             phases.extend([SETTLE, COPIED])
