@@ -121,15 +121,30 @@ def prefix_reuse_refused(vllm_config: VllmConfig) -> str | None:
     exactly over a cached prefix; where vLLM turns its own prefix caching off for a model it
     does not (MLA on CPU: vLLM disables it there, and with it forced on vLLM's own hits
     differ from a recompute too). kvtier then neither loads nor saves for this engine."""
+    model = vllm_config.model_config
+    if model is not None and model.use_mla and _on_cpu():
+        # On a host with AMX vLLM keeps prefix caching on for MLA (its AMX MLA backend);
+        # elsewhere it turns it off. Neither backend's computation over a cached prefix has
+        # been shown exact against a recompute here: refused on every CPU host alike.
+        return (
+            f"MLA on vLLM's CPU build ({model.model}): a computation over a cached prefix is "
+            "not known to be exact on its CPU MLA backends, so kvtier serves no hits and "
+            "saves nothing for this engine"
+        )
     if vllm_config.cache_config.enable_prefix_caching:
         return None
-    model = vllm_config.model_config
     why = " (vLLM turns it off for MLA on this platform)" if model.use_mla else ""
     return (
         f"vLLM's own prefix caching is off for {model.model}{why}: a computation over a "
         "cached prefix is not known to be exact here, so kvtier serves no hits and saves "
         "nothing for this engine"
     )
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def check_parallelism(parallel: Any, num_layers: int | None = None) -> None:

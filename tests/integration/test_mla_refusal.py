@@ -1,6 +1,8 @@
-"""MLA on vLLM's CPU build: vLLM turns its own prefix caching off (its cached-prefix path is
-not exact there), so kvtier serves no hits for it and says why at start-up. An integration
-test because vLLM inspects a DeepSeek architecture in a subprocess."""
+"""MLA on vLLM's CPU build: kvtier serves no hits for it and says why at start-up. Without
+AMX vLLM turns its own prefix caching off for MLA (its cached-prefix path is not exact
+there); with AMX (an Intel Xeon host) it keeps it on for its AMX MLA backend, whose hits
+have not been shown exact here either: refused on both. An integration test because vLLM
+inspects a DeepSeek architecture in a subprocess."""
 
 from __future__ import annotations
 
