@@ -39,7 +39,7 @@ from kvtier.core.config import StoreConfig
 from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api import StoreAdmin
 from kvtier.store.client.shm import page_aligned_empty
-from kvtier.testing.services import start_store
+from kvtier.testing.services import disk_env, start_store
 from kvtier.tiers import connect
 
 MODES = ("write-back", "write-through")
@@ -115,25 +115,24 @@ def measure(
     chunks at ``rate_gbs`` for ``seconds`` and count what eviction took meanwhile."""
     disk_dir = directory / "disk"
     shutil.rmtree(disk_dir, ignore_errors=True)
-    env = {
-        "KVTIER_STORE__DISK__ENABLED": "true",
-        "KVTIER_STORE__DISK__PATH": str(disk_dir),
-        "KVTIER_STORE__DISK__CAPACITY": str(64 * pool_bytes),  # never the bound here
-        "KVTIER_STORE__DISK__WRITE_THROUGH": "true" if mode == "write-through" else "false",
-    }
+    env = disk_env(
+        disk_dir,
+        KVTIER_STORE__DISK__CAPACITY=str(64 * pool_bytes),  # never the bound here
+        KVTIER_STORE__DISK__WRITE_THROUGH="true" if mode == "write-through" else "false",
+    )
     with tempfile.TemporaryDirectory(prefix="kvtier-wb-") as run_dir:
         store = start_store(Path(run_dir), str(pool_bytes), "bench-wb", remote=False, env=env)
         try:
             with connect(StoreConfig(address=store.address)) as tier:
                 admin = tier.store
                 assert isinstance(admin, StoreAdmin)
-                ns_id = tier.register_namespace(_namespace(chunk_bytes), chunk_bytes)
+                ns = _namespace(chunk_bytes)
+                ns_id = tier.register_namespace(ns, chunk_bytes)
                 source = page_aligned_empty(batch_chunks * chunk_bytes)
                 source[:] = np.random.default_rng(1).integers(0, 256, source.size, dtype=np.uint8)
                 views = [
                     source[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(batch_chunks)
                 ]
-                ns = _namespace(chunk_bytes)
                 batch = 0
 
                 def put_batch() -> None:
