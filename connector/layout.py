@@ -198,8 +198,11 @@ class ModelIdentity:
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             kv_layout=geometry.kv_layout,
-            tp_rank=tp_rank,
-            tp_size=per_stage,  # MLA: 1, whatever the TP size (one copy serves every rank)
+            tp_rank=tp_rank,  # MLA: 0 (one copy of a stage's latent serves every rank)
+            # the instance's TP size, MLA's too: TP changes the KV's bytes (a row-parallel
+            # layer's all-reduce sums in another order than one rank's matmul), so a chunk a
+            # TP-2 instance computed is not what a TP-1 instance computes (docs/keys/spec.md)
+            tp_size=self.tp_size,
             pp_rank=pp_rank,
             pp_size=self.pp_size,
             chunk_tokens=geometry.chunk_tokens,

@@ -154,9 +154,10 @@ CASES = [
         lcg_tokens(2 * 256, seed=3, vocab=262144),
     ),
     (
-        # MLA's latent KV is the same on every TP rank: one namespace for every rank and TP
-        # size of a stage (tp_rank 0, tp_size 1), one per pipeline stage
-        "MLA, pipeline stage 1 of 2, any TP size",
+        # MLA's latent KV is the same on every TP rank: one namespace for every rank of a
+        # stage (tp_rank 0), one per pipeline stage; the instance's TP size stays in it (TP
+        # changes the bytes: another TP size never reads these chunks)
+        "MLA, pipeline stage 1 of 2, one copy for the 8 ranks of a TP-8 instance",
         Namespace(
             model="deepseek-ai/DeepSeek-V3",
             dtype="bfloat16",
@@ -164,7 +165,7 @@ CASES = [
             num_kv_heads=1,
             head_size=576,
             tp_rank=0,
-            tp_size=1,
+            tp_size=8,
             pp_rank=1,
             pp_size=2,
             chunk_tokens=256,

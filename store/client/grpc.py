@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import secrets
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -32,7 +31,6 @@ import grpc
 from kvtier.core import rpc
 from kvtier.core.auth import Authenticator, Principal
 from kvtier.core.chunks import LookupStatus
-from kvtier.core.config.auth import Role
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace, pack_keys, unpack_keys
 from kvtier.store.api import StoreAdmin, StoreClient, StoreInfo
@@ -50,6 +48,7 @@ from kvtier.store.client import wire
 from kvtier.store.client.control import METHODS as CONTROL_METHODS
 from kvtier.store.client.control import ControlChannel, ControlUnreachable
 from kvtier.store.client.local import NodeLocalPath
+from kvtier.store.client.proof import verify_store
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
 
@@ -542,50 +541,6 @@ def _allocated(reply: Any, epoch: int) -> AllocateResult:
     allocated = iter(wire.locations_from_pb(reply.allocated))
     locations = [next(allocated) if s.value == "allocated" else None for s in statuses]
     return AllocateResult(reply.lease_id, statuses, locations, epoch, reply.lease_ttl_s)
-
-
-def verify_store(
-    address: str, auth: rpc.ClientAuth | None, verifier: Authenticator, timeout_s: float
-) -> Principal | None:
-    """Check that the store at ``address`` holds a node credential before this process
-    presents its own token there: a challenge answered with ``kvtier.core.auth.prove``, sent
-    with no token. Returns the proved node credential (None: nothing secret to present, or
-    the node's Unix socket). Raises PERMISSION_DENIED when the endpoint cannot prove one,
-    UNAVAILABLE when it does not answer.
-
-    Why: the index and the stores dial addresses that others announce; an address pointing
-    at an attacker's server must not collect the index's or a node's token (issue: a tenant
-    engine that registered its own endpoint received the index token)."""
-    if auth is None or not auth.token or address.startswith("unix:"):
-        return None
-    if not verifier.enabled:
-        raise KvtierError(
-            ErrorCode.PERMISSION_DENIED,
-            f"not presenting this process's credential to store {address}: it has no "
-            "credentials table to check the store's proof against (configure auth.credentials "
-            "with the node credentials, as the services that accept them have)",
-        )
-    nonce = secrets.token_bytes(32)
-    channel = rpc.open_channel(address, rpc.ClientAuth(None, auth.tls))
-    try:
-        reply = store_pb2_grpc.StoreStub(channel).Prove(
-            pb.ProveRequest(nonce=nonce), timeout=timeout_s
-        )
-    except grpc.RpcError as exc:
-        error = rpc.error_from_rpc(exc, f"store {address}")
-        if error.code is ErrorCode.UNAVAILABLE:
-            raise error from None
-        raise KvtierError(
-            ErrorCode.PERMISSION_DENIED, f"store {address} did not prove a node credential"
-        ) from None
-    finally:
-        channel.close()
-    proved = verifier.verify_proof(nonce, reply.proof, (Role.NODE, Role.ADMIN))
-    if proved is None:
-        raise KvtierError(
-            ErrorCode.PERMISSION_DENIED, f"store {address} did not prove a node credential"
-        )
-    return proved
 
 
 def _heartbeat_loop(

@@ -129,6 +129,7 @@ REMOTE = {
             "store/remote/peers.py",
             "store/remote/transport.py",
             "store/client/local.py",  # its client of the holder (whose node-local path is off)
+            "store/client/proof.py",  # the holder proves a node credential before the token
             "store/client/view.py",  # the pulled chunks' commit, in the node's shared view
             "store/state/eventlog.py",
             "store/state/quotas.py",

@@ -10,7 +10,8 @@ from kvtier.core.auth import Authenticator
 from kvtier.core.config.auth import AuthConfig
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.rpc import ClientAuth
-from kvtier.store.client.grpc import GrpcStoreClient, verify_store
+from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.store.client.proof import verify_store
 
 from support.grpc_recorder import GrpcRecorder
 from support.secure_env import TOKENS, SecureStore, credentials

@@ -255,9 +255,12 @@ def test_mla_is_stored_once_for_every_rank() -> None:
     geometry = KvGeometry(("l0",), BLOCK, PAGE, 256, "t", replicated=True)
     identity = ModelIdentity("m", "", "bfloat16", 1, 576, tp_size=8, pp_size=1)
     assert list(identity.data_ranks(geometry)) == [0]
+    ns = identity.namespace(geometry, 0)
+    assert (ns.tp_rank, ns.tp_size) == (0, 8)  # one copy, of what a TP-8 instance computed
     tp1 = ModelIdentity("m", "", "bfloat16", 1, 576, tp_size=1, pp_size=1)
-    # a TP-8 and a TP-1 instance read and write the same chunks
-    assert identity.namespace(geometry, 0) == tp1.namespace(geometry, 0)
+    # a TP-1 instance computes other bytes (its matmuls sum in another order than TP-8's
+    # all-reduces): it never reads a TP-8 instance's chunks
+    assert ns != tp1.namespace(geometry, 0)
     plain = KvGeometry(("l0",), BLOCK, PAGE, 256, "t")
     assert list(identity.data_ranks(plain)) == list(range(8))
     assert identity.namespace(plain, 3).tp_rank == 3
