@@ -19,7 +19,6 @@ position: how many are bit-identical and the largest difference.
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 from kvtier.testing.models import FAMILIES, cpu_binding, make_family_model, vllm_env
 from kvtier.testing.vllm_driver import run_vllm
 
-# name -> (TP size, cores: 0 = every core)
+# name -> (TP size, cores: 0 = every core, 1 = the first core alone)
 CONFIGS: dict[str, tuple[int, int]] = {
     "TP 1, every core (reference)": (1, 0),
     "TP 1 again (floor)": (1, 0),
@@ -83,9 +82,8 @@ def _prompt_logprobs(
     }
     if tp > 1:
         binding = cpu_binding(ranks=tp)
-    elif cores:
-        first = sorted(os.sched_getaffinity(0))[:cores]
-        binding = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, first))}
+    elif cores == 1:
+        binding = cpu_binding(slot=0, slots=2)  # the first core alone
     else:
         binding = cpu_binding()
     (outputs,) = run_vllm(spec, vllm_env(**binding))
