@@ -309,7 +309,7 @@ class TierResolver:
             run = self._lookup_pool(ns_ids, keys, outcome)
             runs.append((self.pool.name, run))
             for tier in self.staging:
-                more = self._stage(tier, ns_ids, keys, run, outcome)
+                more = self._stage_rounds(tier, ns_ids, keys, run, outcome)
                 if not more:
                     break
                 runs.append((tier.name, more))
@@ -356,7 +356,7 @@ class TierResolver:
             outcome.epochs[rank] = result.epoch
         return min(len(h) for h in outcome.hits.values())
 
-    def _stage(
+    def _stage_rounds(
         self,
         tier: Any,
         ns_ids: dict[int, bytes],
@@ -364,11 +364,38 @@ class TierResolver:
         run: int,
         outcome: LookupOutcome,
     ) -> int:
+        """``_stage``, again for the rest while a tier that stages in rounds
+        (``StagingTier.stages_in_rounds``: the node's disk, whose store allocates at most
+        ``store.max_batch_fraction`` of its pool per stage) makes progress: each round is
+        leased before the next one allocates, so a later round cannot evict an earlier one.
+        Without this a disk hit longer than that share of the pool was cut there and the
+        rest recomputed. Returns the chunks added to ``outcome``."""
+        total = 0
+        end = min(len(k) for k in keys.values())
+        while run + total < end:
+            more = self._stage(tier, ns_ids, keys, run + total, outcome, first_round=not total)
+            total += more
+            if not more or not tier.stages_in_rounds:
+                break
+        return total
+
+    def _stage(
+        self,
+        tier: Any,
+        ns_ids: dict[int, bytes],
+        keys: dict[int, list[bytes]],
+        run: int,
+        outcome: LookupOutcome,
+        first_round: bool = True,
+    ) -> int:
         """Stage the run after ``run`` chunks from ``tier`` into the pool (every rank), lease
-        it there. Returns the chunks added to ``outcome`` (0: none, or not worth it)."""
+        it there. Returns the chunks added to ``outcome`` (0: none, or not worth it). Past
+        the first round the run is already long enough for ``min_hit_tokens``."""
         if run >= min(len(k) for k in keys.values()):
             return 0
         min_chunks = -(-self.config.min_hit_tokens.get(tier.name, 0) // self.geometry.chunk_tokens)
+        if not first_round:
+            min_chunks = 1
         staged = []
         for rank, ns_id in ns_ids.items():
             result = tier.stage(ns_id, keys[rank][run:], max(1, min_chunks))

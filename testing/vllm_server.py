@@ -26,6 +26,12 @@ from kvtier.testing.vllm_forkserver import ENV as FORKSERVER_ENV
 from kvtier.testing.vllm_forkserver import ForkedProcess, start_module
 
 MODEL_NAME = "tiny"
+# Set (to "1") by the tests: the server's model worker runs inside its engine-core process
+# (vLLM's uniprocess executor, what vLLM runs on CUDA at TP 1) instead of in a process of its
+# own, which vLLM's CPU build otherwise spawns (a fresh interpreter importing torch and vLLM:
+# ~17 s of each server's ~43 s start on 2 cores). tests/engine/test_vllm_serve.py keeps the
+# CPU build's own shape, a worker process apart, for the connector; benchmarks keep it too.
+WORKER_IN_ENGINE_ENV = "KVTIER_VLLM_WORKER_IN_ENGINE"
 
 
 class VllmServer:
@@ -47,7 +53,11 @@ class VllmServer:
         self.log_path = log_path
         # the same cores with or without a connector (``cpu_binding``); ``env`` may say others
         env = vllm_env(TRANSFORMERS_OFFLINE="1", **(env or {}))
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine apart
+        if os.environ.get(WORKER_IN_ENGINE_ENV) == "1":
+            # "0" keeps vLLM's uniprocess executor; the API server still runs its engine apart
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:  # the CPU build's multiprocess executor: a worker process beside the engine's
+            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         cmd = [
             sys.executable,
             "-m",

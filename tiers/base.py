@@ -204,6 +204,12 @@ class StagingTier(abc.ABC):
     """
 
     name: str  # the tier's name in the connector's config (``tiers = ["cpu", "remote"]``)
+    # True: a run shorter than asked may be the medium's bound on one call (the node store
+    # stages at most ``store.max_batch_fraction`` of its pool per allocation), so the caller
+    # asks again for the rest, cheaply (a call that finds nothing costs no transfer and no
+    # deadline). False: a short run is the medium's answer (a remote holder's miss or fault,
+    # which a second call would only pay for again).
+    stages_in_rounds: bool = False
 
     @abc.abstractmethod
     def stage(self, ns_id: bytes, keys: Sequence[bytes], min_chunks: int) -> StageResult:

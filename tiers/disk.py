@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 class DiskTier(StagingTier):
     name = "disk"
+    stages_in_rounds = True  # one stage allocates at most store.max_batch_fraction of the pool
 
     def __init__(
         self,
