@@ -370,12 +370,10 @@ class TierResolver:
         leased before the next one allocates, so a later round cannot evict an earlier one.
         Without this a disk hit longer than that share of the pool was cut there and the
         rest recomputed. Returns the chunks added to ``outcome``."""
-        total = 0
-        end = min(len(k) for k in keys.values())
-        while run + total < end:
-            more = self._stage(tier, ns_ids, keys, run + total, outcome, first_round=not total)
+        total = 0  # ``_stage`` answers 0 once the run reaches the prompt's end
+        while more := self._stage(tier, ns_ids, keys, run + total, outcome, not total):
             total += more
-            if not more or not tier.stages_in_rounds:
+            if not tier.stages_in_rounds:
                 break
         return total
 
