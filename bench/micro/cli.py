@@ -209,8 +209,12 @@ def bench_remote(
 
 def bench_index(
     backends: Annotated[
-        str, typer.Option(help="memory,redis,redis-cluster")
-    ] = "memory,redis,redis-cluster",
+        str,
+        typer.Option(
+            help="memory,redis,redis-cluster,redis-cluster-chunk (the cluster with "
+            "index.redis_placement = chunk)"
+        ),
+    ] = "memory,redis,redis-cluster,redis-cluster-chunk",
     entries: Annotated[int, typer.Option(help="chunk entries in the index")] = 1_000_000,
     instances: Annotated[int, typer.Option(help="vLLM instances holding them")] = 64,
     tokens: Annotated[int, typer.Option(help="prompt length asked about")] = 131072,
@@ -226,19 +230,34 @@ def bench_index(
     redis_ingest_prompts: Annotated[
         int, typer.Option(help="8k-token prompts to ingest into Redis (enough to time its CPU)")
     ] = 1000,
+    cluster_shards: Annotated[
+        int, typer.Option(help="shards the cluster index is cut into (index.redis_shards)")
+    ] = 6,
     json_out: JsonOut = None,
 ) -> None:
     """Index query latency and vLLM event ingest on each backend, beside their floors, and how
     many instances each configuration's ingest holds."""
     from kvtier.bench.micro import index
 
-    known = ("memory", "redis", "redis-cluster")
+    known = ("memory", "redis", "redis-cluster", "redis-cluster-chunk")
     chosen = [b.strip() for b in backends.split(",") if b.strip()]
     if not chosen or any(b not in known for b in chosen):
         raise typer.BadParameter(f"backends: a comma-separated subset of {', '.join(known)}")
-    urls = {"redis": redis_url, "redis-cluster": redis_cluster_url}
+    urls = {
+        "redis": redis_url,
+        "redis-cluster": redis_cluster_url,
+        "redis-cluster-chunk": redis_cluster_url,
+    }
     report = index.run(
-        chosen, entries, instances, tokens, queries, urls, ingest_prompts, redis_ingest_prompts
+        chosen,
+        entries,
+        instances,
+        tokens,
+        queries,
+        urls,
+        ingest_prompts,
+        redis_ingest_prompts,
+        cluster_shards=cluster_shards,
     )
     index.print_report(report)
     write_report(report, json_out)

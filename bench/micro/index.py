@@ -181,6 +181,7 @@ def run_queries(
     n_tokens: int,
     n: int,
     redis_urls: dict[str, str | None],
+    shards: int = 6,
 ) -> list[dict]:
     tokens = np.random.default_rng(0).integers(0, 150_000, n_tokens, dtype=np.uint32)
     reports = []
@@ -198,7 +199,8 @@ def run_queries(
         else:
             from kvtier.bench.micro import index_redis
 
-            with index_redis.redis_index(backend, redis_urls.get(backend), "kvtier:index:") as (
+            url = redis_urls.get(backend)
+            with index_redis.redis_index(backend, url, "kvtier:index:", shards) as (
                 redis_index,
                 _,
             ):
@@ -304,6 +306,7 @@ def run(
     ingest_prompts: int = 200,
     redis_ingest_prompts: int = 1000,
     repeat: int = 5,
+    cluster_shards: int = 6,
 ) -> dict:
     from kvtier.bench.micro import index_redis
 
@@ -318,9 +321,14 @@ def run(
         "chunks": tokens // NS.chunk_tokens,
         "cpus": os.cpu_count(),
         "load_avg": os.getloadavg()[0],
-        "query": run_queries(backends, entries, instances, tokens, queries, redis_urls),
+        "cluster_shards": cluster_shards,
+        "query": run_queries(
+            backends, entries, instances, tokens, queries, redis_urls, cluster_shards
+        ),
         "ingest": ingest,
-        "redis_ingest": index_redis.run(redis_backends, redis_urls, redis_ingest_prompts),
+        "redis_ingest": index_redis.run(
+            redis_backends, redis_urls, redis_ingest_prompts, cluster_shards
+        ),
         "fleet": index_redis.fleet_rows(served["blocks_per_s"]),
     }
 
@@ -361,17 +369,19 @@ def print_report(report: dict) -> None:
         title="ingest the fleet needs: an instance prefilling without pause emits "
         f"{fleet['events_per_instance_s']:,.0f} block events/s (stored + removed)"
     )
-    for col in ("index", "masters", "namespaces", "blocks/s, one client", "server CPU s/master",
-                "capacity blocks/s", "instances held"):  # fmt: skip
+    for col in ("index", "masters", "namespaces", "batches per apply", "blocks/s, one client",
+                "server CPU s/master", "capacity blocks/s", "instances held"):  # fmt: skip
         table.add_column(col, justify="right")
     memory = fleet["memory_instances_held"] * fleet["events_per_instance_s"]
     table.add_row(
-        "memory (one process, as served)", "-", "any", f"{memory:,.0f}", "-", f"{memory:,.0f}",
+        "memory (one process, as served)", "-", "any", "-", f"{memory:,.0f}", "-",
+        f"{memory:,.0f}",
         f"{fleet['memory_instances_held']:,.0f}",
     )  # fmt: skip
     for row in report["redis_ingest"]:
         table.add_row(
-            row["backend"], str(row["masters"]), str(row["namespaces"]),
+            row["backend"] + (f", {row['shards']} shards" if "cluster" in row["backend"] else ""),
+            str(row["masters"]), str(row["namespaces"]), str(row.get("coalesce", 1)),
             f"{row['blocks_per_s_one_client']:,.0f}",
             " / ".join(f"{s:.2f}" for s in row["server_cpu_s_per_master"]),
             f"{row['capacity_blocks_per_s']:,.0f}", f"{row['instances_held']:,.0f}",

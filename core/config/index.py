@@ -46,7 +46,7 @@ class IndexConfig(Section):
         "memory",
         description="memory: this process holds the index; redis: replicas share redis_url; "
         "redis-cluster: replicas share a Redis Cluster (redis_url: any of its nodes), the "
-        "index cut into redis_shards by namespace",
+        "index cut into redis_shards (redis_placement says by what)",
     )
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", description="the Redis server of backend = redis"
@@ -58,6 +58,13 @@ class IndexConfig(Section):
         description="backend = redis-cluster: shards the index is cut into, spread evenly over "
         "the hash slots (so over masters owning equal slot ranges); every index process sharing "
         "the prefix uses the same number",
+    )
+    redis_placement: Literal["namespace", "chunk"] = Field(
+        "namespace",
+        description="backend = redis-cluster: namespace: a namespace's chunks in one shard (a "
+        "prompt's query is one call to one master); chunk: each chunk in its key's shard, so "
+        "one namespace's writes spread over every master (a query asks each shard for its "
+        "chunks). Every index process sharing the prefix uses the same",
     )
     redis_prefix: str = Field("kvtier:index:", description="key prefix (one per cluster)")
     redis_timeout_s: float = Field(1.0, gt=0, description="deadline of one Redis call")

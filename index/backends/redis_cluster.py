@@ -5,10 +5,16 @@ The index is ``shards`` complete ``RedisIndex`` instances, shard ``s`` under the
 scripts run unchanged and atomically on the master that serves it (``redis_shard``), and the
 tags spread the shards evenly over the slot space, so over the masters.
 
-- **Placement.** A namespace's chunks live in one shard (``shard_of``: its id, a hash, modulo
-  ``shards``), so a prompt's query is one script call on one master, as on a single Redis. A
-  fleet's load spreads over masters by namespace (models, dtypes, adapters, tenants' salts); a
-  fleet serving one namespace keeps its chunks on one master (docs/index.md says so).
+- **Placement** (``placement``). ``namespace`` (the default): a namespace's chunks live in one
+  shard (``shard_of``: its id, a hash, modulo ``shards``), so a prompt's query is one script
+  call on one master, as on a single Redis. A fleet's load spreads over masters by namespace
+  (models, dtypes, adapters, tenants' salts); a fleet serving one namespace keeps its chunks on
+  one master. ``chunk``: each chunk lives in the shard of its key (a hash, so uniform), so one
+  namespace's writes spread over every master; a prompt's query asks every shard that holds
+  one of its chunks for those chunks, in order, and the answers combine (``combine_answers``):
+  a location's run ends at the first chunk any shard says it lacks. The price: a query costs a
+  call per shard it touches, and any shard being down degrades every prompt's answer, not
+  only its namespaces' (docs/index.md measures both).
 - **Metadata in every shard.** Every shard holds every namespace and every location (its
   status, cursor, last heartbeat), written to all shards in turn, so each shard checks a
   batch's cursor by itself. An ``apply`` goes to the shards its ops touch, and the answers
@@ -39,7 +45,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 import redis
 from redis.cluster import RedisCluster
@@ -54,6 +62,7 @@ from kvtier.index.api import (
     ChunkIndex,
     ChunkOp,
     HeartbeatStatus,
+    Holding,
     IndexHealth,
     LocationInfo,
     LocationStatus,
@@ -63,10 +72,15 @@ from kvtier.index.api import (
     check_holdings,
     check_ops,
     check_seq_range,
+    order_holdings,
+    resolve_keys,
 )
 from kvtier.index.backends.redis import RedisIndex
 from kvtier.index.backends.redis_shard import ShardClient, shard_tags
 from kvtier.store.api.events import EventKind
+
+Placement = Literal["namespace", "chunk"]
+PLACEMENTS: tuple[str, ...] = ("namespace", "chunk")
 
 _STATUS_RANK = {  # a location's heartbeat answer across shards: the most urgent wins
     HeartbeatStatus.OK: 0,
@@ -94,13 +108,19 @@ class RedisClusterIndex(ChunkIndex):
         max_namespaces: int | None = None,
         max_claim_ttl_s: float | None = None,
         shards: int = 6,
+        placement: Placement = "namespace",
     ) -> None:
         """``url``: any node of the cluster (the others are discovered). ``shards``: how many
-        parts the index is cut into; every process sharing ``prefix`` must use the same
-        number (checked: a mismatch is refused, it would look for chunks in the wrong shard).
-        """
+        parts the index is cut into, ``placement``: by what a chunk's shard is chosen (see the
+        module docstring); every process sharing ``prefix`` must use the same of both
+        (checked: a mismatch is refused, it would look for chunks in the wrong shard)."""
         if not 1 <= shards <= 1024:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, f"shards must be 1..1024, not {shards}")
+        if placement not in PLACEMENTS:
+            raise KvtierError(
+                ErrorCode.INVALID_ARGUMENT, f"placement is one of {PLACEMENTS}, not {placement!r}"
+            )
+        self.placement = placement
         self.url, self.prefix = url, prefix
         try:  # redis-py learns the slot map here: the cluster must answer at start
             self._cluster = RedisCluster.from_url(
@@ -134,12 +154,23 @@ class RedisClusterIndex(ChunkIndex):
         self._lock = threading.Lock()
         self._taken: dict[str, _Taken] = {}
         self._resets_seen = 0
+        self._pool: ThreadPoolExecutor | None = None  # placement chunk's queries, on first use
 
     # -- plumbing -----------------------------------------------------------------------------
 
-    def shard_of(self, ns_id: bytes) -> int:
-        """The shard holding a namespace's chunks (its id is a hash: uniform)."""
+    def shard_of(self, ns_id: bytes, key: bytes = b"") -> int:
+        """The shard holding a chunk: its namespace's (placement ``namespace``) or its key's
+        (``chunk``); both are hashes, so uniform."""
+        if self.placement == "chunk" and key:
+            return int.from_bytes(key[:8], "big") % len(self._shards)
         return int.from_bytes(ns_id[:8], "big") % len(self._shards)
+
+    def _split_keys(self, ns_id: bytes, keys: Sequence[bytes]) -> dict[int, list[int]]:
+        """Shard -> the positions in ``keys`` of the chunks it holds, in order."""
+        out: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            out.setdefault(self.shard_of(ns_id, key), []).append(i)
+        return out
 
     def _check_layout(self) -> None:
         """Refuse a cluster whose index was cut into another number of shards."""
@@ -147,12 +178,15 @@ class RedisClusterIndex(ChunkIndex):
             return
         shard0 = self._shards[0]
         want = str(len(self._shards)).encode()
+        if self.placement != "namespace":  # the namespace layout's value, as before it had any
+            want += f"/{self.placement}".encode()
         have = shard0._call(shard0._r.set, self._layout_key, want, nx=True, get=True)
         if have is not None and have != want:
             raise KvtierError(
                 ErrorCode.INVALID_ARGUMENT,
-                f"the index under this prefix has {have.decode()} shards, this process "
-                f"{len(self._shards)}: every index process must use the same index.redis_shards",
+                f"the index under this prefix is cut into {have.decode()} shards (/placement), "
+                f"this process {want.decode()}: every index process must use the same "
+                "index.redis_shards and index.redis_placement",
             )
         self._layout_checked = True
 
@@ -160,9 +194,13 @@ class RedisClusterIndex(ChunkIndex):
         """Each shard's share of ``ops``, in order; a CLEARED (no namespace) goes to all."""
         out: list[list[ChunkOp]] = [[] for _ in self._shards]
         for op in ops:
-            if op.kind is EventKind.CLEARED:
+            if op.kind is EventKind.CLEARED or (self.placement == "chunk" and not op.keys):
                 for share in out:
                     share.append(op)
+            elif self.placement == "chunk":
+                for shard, positions in self._split_keys(op.ns_id, op.keys).items():
+                    keys = tuple(op.keys[i] for i in positions)
+                    out[shard].append(ChunkOp(op.kind, op.tier, op.ns_id, keys))
             else:
                 out[self.shard_of(op.ns_id)].append(op)
         return out
@@ -294,7 +332,8 @@ class RedisClusterIndex(ChunkIndex):
         shares: list[dict[Tier, dict[bytes, Sequence[bytes]]]] = [{} for _ in self._shards]
         for tier, by_ns in holdings.items():
             for ns_id, keys in by_ns.items():
-                shares[self.shard_of(ns_id)].setdefault(tier, {})[ns_id] = keys
+                for s, positions in self._split_keys(ns_id, keys).items():
+                    shares[s].setdefault(tier, {})[ns_id] = [keys[i] for i in positions]
         with self._lock:
             self._taken.pop(location, None)
         for shard, share in zip(self._shards, shares, strict=True):
@@ -306,6 +345,8 @@ class RedisClusterIndex(ChunkIndex):
     # -- reads --------------------------------------------------------------------------------
 
     def query(self, queries: Sequence[Query]) -> list[QueryResult]:
+        if self.placement == "chunk":
+            return self._query_spread(queries)
         by_shard: dict[int, list[int]] = {}
         for i, q in enumerate(queries):
             by_shard.setdefault(self.shard_of(q.ns_id), []).append(i)
@@ -316,6 +357,47 @@ class RedisClusterIndex(ChunkIndex):
                 out[i] = answer
         return [answer for answer in out if answer is not None]
 
+    def _query_spread(self, queries: Sequence[Query]) -> list[QueryResult]:
+        """Placement ``chunk``: each prompt's chunks asked of the shards that hold them (one
+        call per shard for every prompt's share), the answers combined prompt by prompt."""
+        asked: dict[int, list[Query]] = {}  # shard -> its sub-queries, in order
+        parts: list[list[tuple[int, int, list[int]]]] = []  # per query: (shard, #, positions)
+        sizes: list[int] = []
+        for q in queries:
+            try:
+                known, namespace = self.namespace(q.ns_id)
+            except KvtierError as exc:  # shard 0, which keeps the definitions, is down
+                if exc.code is not ErrorCode.UNAVAILABLE:
+                    raise
+                return [QueryResult(q.ns_id, 0, (), IndexHealth.DEGRADED) for q in queries]
+            keys = resolve_keys(q, {q.ns_id: namespace} if known else {})
+            sizes.append(len(keys))
+            mine = []
+            for shard, positions in self._split_keys(q.ns_id, keys).items():
+                sub = asked.setdefault(shard, [])
+                mine.append((shard, len(sub), positions))
+                sub.append(Query(q.ns_id, keys=[keys[i] for i in positions]))
+            parts.append(mine)
+        answers = dict(zip(asked, self._fan_out(asked), strict=True))
+        return [
+            combine_answers(
+                q.ns_id, n, [(positions, answers[shard][i]) for shard, i, positions in mine]
+            )
+            for q, n, mine in zip(queries, sizes, parts, strict=True)
+        ]
+
+    def _fan_out(self, asked: dict[int, list[Query]]) -> list[list[QueryResult]]:
+        """Each shard's share of the queries, the shards asked side by side (their round trips
+        overlap; the answers come back in ``asked``'s order)."""
+        if len(asked) == 1:
+            ((shard, subs),) = asked.items()
+            return [self._shards[shard].query(subs)]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(len(self._shards), "kvtier-index-shard")
+        futures = [self._pool.submit(self._shards[s].query, subs) for s, subs in asked.items()]
+        return [future.result() for future in futures]
+
     def stats(self) -> dict[str, int | float | str]:
         out: dict[str, int | float | str] = dict(self._shards[0].stats())
         for shard in self._shards[1:]:
@@ -324,6 +406,7 @@ class RedisClusterIndex(ChunkIndex):
                     out[name] = int(out[name]) + value
         out["backend"] = "redis-cluster"
         out["shards"] = len(self._shards)
+        out["placement"] = self.placement
         return out
 
     def health(self) -> tuple[IndexHealth, str]:
@@ -359,4 +442,49 @@ class RedisClusterIndex(ChunkIndex):
         return n
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         self._cluster.close()
+
+
+def combine_answers(
+    ns_id: bytes, num_chunks: int, parts: Sequence[tuple[Sequence[int], QueryResult]]
+) -> QueryResult:
+    """One prompt's answer from its shards' (placement ``chunk``): ``parts`` pairs the
+    positions in the prompt of the chunks a shard was asked about, in order, with its answer
+    for them. A run a shard reports over its chunks ends, in the prompt, at the position of
+    the first chunk it lacks; a location's run is the shortest of those (a shard that does not
+    name it lacks its first chunk). Any shard not answering (DEGRADED) degrades the whole
+    answer: a run it would have cut short cannot be reported. ``stored_at`` is the newest of
+    the shards' (each the time of its own run's last chunk): a freshness hint, not a place."""
+    if any(answer.health is not IndexHealth.OK for _, answer in parts):
+        return QueryResult(ns_id, num_chunks, (), IndexHealth.DEGRADED)
+
+    def end(positions: Sequence[int], run: int) -> int:
+        return positions[run] if run < len(positions) else num_chunks
+
+    found: dict[str, list[Holding]] = {}
+    for _, answer in parts:
+        for holding in answer.holdings:
+            found.setdefault(holding.location, []).append(holding)
+    combined = []
+    for name, held in found.items():
+        by_shard = [(positions, answer.of(name)) for positions, answer in parts]
+        total = min(end(p, h.total if h else 0) for p, h in by_shard)
+        if not total:
+            continue
+        tiers = {tier for h in held for tier in h.runs}
+        runs = {t: min(end(p, h.runs.get(t, 0) if h else 0) for p, h in by_shard) for t in tiers}
+        first = held[0]
+        combined.append(
+            Holding(
+                name,
+                first.kind,
+                first.node,
+                {tier: run for tier, run in runs.items() if run},
+                total,
+                max(h.last_seen for h in held),
+                max(h.stored_at for h in held),
+            )
+        )
+    return QueryResult(ns_id, num_chunks, order_holdings(combined))

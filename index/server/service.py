@@ -49,6 +49,7 @@ def build_backend(config: IndexConfig) -> ChunkIndex:
             max_namespaces=config.max_namespaces,
             max_claim_ttl_s=config.max_claim_ttl_s,
             shards=config.redis_shards,
+            placement=config.redis_placement,
         )
     if config.backend == "redis":
         from kvtier.index.backends.redis import RedisIndex

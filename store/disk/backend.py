@@ -269,14 +269,24 @@ class DiskBackend:
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "duplicate keys in one stage")
         deadline = time.monotonic() + timeout_s
         self._count(stage_calls=1)
-        present = self.core.committed_mask(ns_id, keys)
-        first = next((i for i, p in enumerate(present) if not p), len(keys))
-        entries = self.catalog.run(ns_id, keys[first : first + self._max_stage(info.chunk_bytes)])
-        # a file of another size is another namespace's layout: the run ends before it
-        entries = list(itertools.takewhile(lambda e: e.header.size == info.chunk_bytes, entries))
-        status, message, fetched, moved = FetchStatus.OK, "", 0, 0
-        if entries:
-            status, message, fetched, moved = self._stage(ns_id, entries, deadline)
+        # the run's chunks already in the pool stay there while the rest is allocated: its
+        # later chunks are often the coldest in the pool (and, on disk too, eviction's first
+        # choice); evicted by this stage, the run would end where they were (a write-back
+        # pool's not yet copied) or read them back from disk in the caller's next round
+        present, pinned = self.core.pin_committed(ns_id, keys)
+        try:
+            first = next((i for i, p in enumerate(present) if not p), len(keys))
+            run = keys[first : first + self._max_stage(info.chunk_bytes)]
+            entries = self.catalog.run(ns_id, run)
+            # a file of another size is another namespace's layout: the run ends before it
+            entries = list(
+                itertools.takewhile(lambda e: e.header.size == info.chunk_bytes, entries)
+            )
+            status, message, fetched, moved = FetchStatus.OK, "", 0, 0
+            if entries:
+                status, message, fetched, moved = self._stage(ns_id, entries, deadline)
+        finally:
+            self.core.unpin(pinned)
         present = self.core.committed_mask(ns_id, keys)
         local = next((i for i, p in enumerate(present) if not p), len(keys))
         if local < len(keys) and status is FetchStatus.OK:

@@ -146,12 +146,17 @@ class Fetcher:
         holder_hits = 0
         moved = fetched = mismatches = 0
         if keys:
+            # the run's chunks already here stay while the rest is allocated (as a disk
+            # stage: DiskBackend.stage), or the fetch could evict its own run's cold end
+            _, pinned = self.core.pin_committed(ns_id, keys)
             try:
                 moved, fetched, mismatches, holder_hits = self._pull(
                     ns_id, info.namespace, info.chunk_bytes, keys, holder, deadline, reasons
                 )
             except _Stop as stop:  # nothing was allocated: every key gets the one reason
                 reasons = dict.fromkeys(range(len(keys)), (stop.status, stop.message))
+            finally:
+                self.core.unpin(pinned)
         present = self.core.committed_mask(ns_id, keys)
         local = next((i for i, p in enumerate(present) if not p), len(keys))
         if local == len(keys):

@@ -200,6 +200,29 @@ class StoreCore:
                 out.append(entry is not None and entry.state is ChunkState.COMMITTED)
             return out
 
+    def pin_committed(
+        self, ns_id: bytes, keys: Sequence[bytes]
+    ) -> tuple[list[bool], list[ChunkEntry]]:
+        """``committed_mask``, with every committed chunk among ``keys`` pinned (not counted
+        as a use) until ``unpin``: a stage that allocates the missing chunks of a run cannot
+        then evict the run's own chunks already here, the coldest ones and, with the disk
+        tier, clean ones (``prefer_evicting``): eviction's first choice."""
+        self.limits.check_batch(len(keys))
+        check_keys(keys)
+        with self._lock:
+            self.namespaces.use(ns_id, self._clock())
+            mask: list[bool] = []
+            pinned: list[ChunkEntry] = []
+            for key in keys:
+                entry = self.pages.held(key, ns_id)
+                if entry is None or entry.state is not ChunkState.COMMITTED:
+                    mask.append(False)
+                    continue
+                self.pages.pin(entry)
+                pinned.append(entry)
+                mask.append(True)
+            return mask, pinned
+
     def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
         """End leases. A read lease released OK guarantees its chunks never changed meanwhile;
         EXPIRED means they may have (also when its session ended): the holder must discard
@@ -478,7 +501,8 @@ class StoreCore:
             self.pages.on_disk = lambda entry: on_disk(entry.namespace, entry.key)
 
     def unpin(self, entries: Sequence[ChunkEntry]) -> None:
-        """End ``pin_coldest``'s pins (a chunk deleted meanwhile is freed now)."""
+        """End ``pin_coldest``'s and ``pin_committed``'s pins (a chunk deleted meanwhile is
+        freed now)."""
         with self._lock:
             for entry in entries:
                 self.pages.unpin(entry)

@@ -29,7 +29,7 @@ from kvtier.index.api import (
     Query,
     Registration,
 )
-from kvtier.index.backends.redis_cluster import RedisClusterIndex
+from kvtier.index.backends.redis_cluster import PLACEMENTS, Placement, RedisClusterIndex
 from kvtier.store.api.events import EventKind
 from kvtier.testing.redis_cluster import LocalRedisCluster, start_redis_cluster
 
@@ -73,13 +73,18 @@ class Reader(threading.Thread):
         return self.answers
 
 
-def setup(cluster: LocalRedisCluster) -> tuple[RedisClusterIndex, bytes, list[bytes], int]:
-    index = RedisClusterIndex(cluster.url, prefix="drill:", shards=3)
+def setup(
+    cluster: LocalRedisCluster, placement: Placement = "namespace"
+) -> tuple[RedisClusterIndex, bytes, list[bytes], int]:
+    """The index, the prompt (held whole by i0) and the slot of the shard that holds its
+    chunk 10, the first of the drills' removal (with placement ``chunk`` the other shards hold
+    the rest of it: their answers alone would not cut the run at 10)."""
+    index = RedisClusterIndex(cluster.url, prefix="drill:", shards=3, placement=placement)
     ns_id = index.register_namespace(NS)
     index.register(Registration("i0", LocationKind.INSTANCE, (ns_id,), node="n0"))
     keys = chunk_keys(ns_id, np.arange(CHUNKS * 16), 16)
     index.replace("i0", {Tier.GPU: {ns_id: keys}}, epoch=1, seq=1)
-    slot = key_slot(index._shards[index.shard_of(ns_id)]._p)
+    slot = key_slot(index._shards[index.shard_of(ns_id, keys[10])]._p)
     return index, ns_id, keys, slot
 
 
@@ -103,13 +108,14 @@ def resync_and_check(index: RedisClusterIndex, ns_id: bytes, keys: list[bytes], 
     assert index.backend_resets().resets >= 1
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 def test_failover_that_lost_a_removal_never_names_the_old_holder(
-    cluster: LocalRedisCluster,
+    cluster: LocalRedisCluster, placement: Placement
 ) -> None:
     """The replica is paused while the writer removes the prompt's tail (acknowledged by the
     master, never replicated); the master is killed; the promoted replica still holds the
     tail. The index takes the shard's locations down before answering from it."""
-    index, ns_id, keys, slot = setup(cluster)
+    index, ns_id, keys, slot = setup(cluster, placement)
     try:
         master = cluster.master_of(slot)
         replicas = [n for n in cluster.live() if n is not master and n not in cluster.masters()]

@@ -251,6 +251,31 @@ def test_three_stores_a_run_from_two_holders(tmp_path: Path) -> None:
             store.stop()
 
 
+def test_a_fetch_never_evicts_its_own_runs_chunks(tmp_path: Path) -> None:
+    """The puller holds the run's end (its coldest chunks) and fetches the start: the
+    allocation for the start must evict other chunks, never the run's own end (which the
+    fetch then moved over the network a second time: 8 chunks fetched for 4 missing)."""
+    ns = NS.model_copy(update={"model": "own-run"})
+    size = 1 * MiB
+    pa, pb = peer_ports(2)
+    a = remote_store(tmp_path, "16MiB", "node-a", *on(pa, pb))
+    b = remote_store(tmp_path, "16MiB", "node-b", *on(pb))
+    try:
+        ns_id, keys = put(b, ns, size, range(8))
+        put(a, ns, size, range(4, 8))  # the run's end first: the puller's coldest
+        other = ns.model_copy(update={"model": "other"})
+        for seeds in (range(4), range(4, 8), range(8, 10)):  # a quarter of the pool at most
+            put(a, other, size, seeds)  # 14 of 16 chunks in use: the start needs 2 evicted
+        ca, _ = client(a, ns, size)
+        result = ca.fetch(ns_id, keys, b.address)
+        assert (result.status, result.local, result.fetched) == (FetchStatus.OK, 8, 4), result
+        assert_holds(a, ns, size, keys, range(8))
+        assert_no_leak(ca)
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_holder_restarted_at_the_same_address(tmp_path: Path) -> None:
     """A new holder epoch (new pool, new transfer address) behind the same gRPC address: the
     puller re-attaches, re-registers the namespace and reads from the new engine."""

@@ -62,8 +62,11 @@ def make_index(
         return MemoryIndex(clock=clock)
     assert redis_server is not None
     prefix = f"t:{uuid.uuid4().hex[:8]}:"
-    if kind == "redis-cluster":  # 4 shards over the cluster's 3 masters
-        return RedisClusterIndex(redis_server.url, prefix=prefix, clock=clock, shards=4)
+    if kind.startswith("redis-cluster"):  # 4 shards over the cluster's 3 masters
+        placement = "chunk" if kind == "redis-cluster-chunk" else "namespace"
+        return RedisClusterIndex(
+            redis_server.url, prefix=prefix, clock=clock, shards=4, placement=placement
+        )
     return RedisIndex(redis_server.url, prefix=prefix, clock=clock)
 
 
@@ -84,7 +87,11 @@ def index(backend: str, clock: Clock, request: pytest.FixtureRequest) -> Iterato
             client.close()
             service.stop()
         return
-    fixture = {"redis": "redis_server", "redis-cluster": "redis_cluster"}.get(backend)
+    fixture = {
+        "redis": "redis_server",
+        "redis-cluster": "redis_cluster",
+        "redis-cluster-chunk": "redis_cluster",
+    }.get(backend)
     server = request.getfixturevalue(fixture) if fixture else None
     idx = make_index(backend, clock, server)
     try:

@@ -85,6 +85,23 @@ def test_pinned_chunks_are_never_evicted(core: StoreCore, ns_id: bytes) -> None:
     core.check_invariants()
 
 
+def test_pin_committed_keeps_a_runs_cold_chunks_through_an_allocation(
+    core: StoreCore, ns_id: bytes
+) -> None:
+    """What a disk stage or a remote fetch pins while it allocates the rest of a run: the
+    run's committed chunks, the coldest in the pool, survive; nothing counts as a use."""
+    run = keys(6)
+    put(core, ns_id, run[3:])  # the run's tail: the pool's coldest chunks
+    put(core, ns_id, keys(7, start=100))  # the pool is full (10 chunks)
+    mask, pinned = core.pin_committed(ns_id, run)
+    assert mask == [False] * 3 + [True] * 3
+    assert put(core, ns_id, run[:3]) == [AllocStatus.ALLOCATED] * 3  # evicts three others
+    core.unpin(pinned)
+    assert [h.key for h in core.lookup(ns_id, run).hits] == run
+    assert core.stats()["evictions"] == 3
+    core.check_invariants()
+
+
 def test_full_pool_of_pinned_chunks_says_no_space(core: StoreCore, ns_id: bytes) -> None:
     ks = keys(10)
     put(core, ns_id, ks)
