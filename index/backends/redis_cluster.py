@@ -173,7 +173,8 @@ class RedisClusterIndex(ChunkIndex):
         return out
 
     def _check_layout(self) -> None:
-        """Refuse a cluster whose index was cut into another number of shards."""
+        """Refuse a cluster whose index was cut into another number of shards, or placed by
+        something else."""
         if self._layout_checked:
             return
         shard0 = self._shards[0]
