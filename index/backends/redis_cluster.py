@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import redis
 from redis.cluster import RedisCluster
@@ -80,7 +80,7 @@ from kvtier.index.backends.redis_shard import ShardClient, shard_tags
 from kvtier.store.api.events import EventKind
 
 Placement = Literal["namespace", "chunk"]
-PLACEMENTS: tuple[str, ...] = ("namespace", "chunk")
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
 _STATUS_RANK = {  # a location's heartbeat answer across shards: the most urgent wins
     HeartbeatStatus.OK: 0,
