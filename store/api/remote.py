@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class FetchStatus(enum.StrEnum):
@@ -34,6 +34,10 @@ class FetchResult:
     checksum_mismatches: int = 0
     present: tuple[bool, ...] = ()  # per key: committed here now (also past the prefix)
     message: str = ""
+    # Seconds spent in each step the fetch reached ("holder_lease", "allocate", "transfer",
+    # "commit"): for the store's metrics, so a slow remote hit says where its time went. Not
+    # sent to the caller.
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

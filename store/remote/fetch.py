@@ -143,6 +143,7 @@ class Fetcher:
         with self._lock:
             self.counters["fetches"] += 1
         reasons: dict[int, tuple[FetchStatus, str]] = {}
+        phases: dict[str, float] = {}
         holder_hits = 0
         moved = fetched = mismatches = 0
         if keys:
@@ -151,8 +152,9 @@ class Fetcher:
             _, pinned = self.core.pin_committed(ns_id, keys)
             try:
                 moved, fetched, mismatches, holder_hits = self._pull(
-                    ns_id, info.namespace, info.chunk_bytes, keys, holder, deadline, reasons
-                )
+                    ns_id, info.namespace, info.chunk_bytes, keys, holder, deadline, reasons,
+                    phases,
+                )  # fmt: skip
             except _Stop as stop:  # nothing was allocated: every key gets the one reason
                 reasons = dict.fromkeys(range(len(keys)), (stop.status, stop.message))
             finally:
@@ -172,8 +174,9 @@ class Fetcher:
             if status is not FetchStatus.OK:
                 self.failures[status.value] += 1
         return FetchResult(
-            status, local, fetched, moved, holder_hits, mismatches, tuple(present), message
-        )
+            status, local, fetched, moved, holder_hits, mismatches, tuple(present), message,
+            phases,
+        )  # fmt: skip
 
     def _pull(
         self,
@@ -184,11 +187,19 @@ class Fetcher:
         holder: str,
         deadline: float,
         reasons: dict[int, tuple[FetchStatus, str]],
+        phases: dict[str, float],
     ) -> tuple[int, int, int, int]:
-        """Steps 1-5. Fills ``reasons`` for keys that did not become local; returns (bytes
-        moved, chunks fetched, checksum mismatches, holder hits)."""
+        """Steps 1-5. Fills ``reasons`` for keys that did not become local and ``phases``
+        with the seconds each step took; returns (bytes moved, chunks fetched, checksum
+        mismatches, holder hits)."""
         # 1. Lease at the holder.
-        client, lease = self._lease_at_holder(ns_id, namespace, chunk_bytes, keys, holder, deadline)
+        start = time.perf_counter()
+        try:
+            client, lease = self._lease_at_holder(
+                ns_id, namespace, chunk_bytes, keys, holder, deadline
+            )
+        finally:
+            phases["holder_lease"] = time.perf_counter() - start
         hits: list[ChunkLocation] = lease.hits
         for i in range(len(hits), len(keys)):
             if lease.stop is LookupStatus.PENDING and i == len(hits):
@@ -198,7 +209,8 @@ class Fetcher:
         try:
             if not hits:
                 return 0, 0, 0, 0
-            return (*self._transfer(ns_id, chunk_bytes, hits, client, deadline, reasons), len(hits))
+            moved = self._transfer(ns_id, chunk_bytes, hits, client, deadline, reasons, phases)
+            return (*moved, len(hits))
         finally:
             if lease.lease_id:
                 self._releaser.add(holder, lease.lease_id)
@@ -243,6 +255,7 @@ class Fetcher:
         client: GrpcStoreClient,
         deadline: float,
         reasons: dict[int, tuple[FetchStatus, str]],
+        phases: dict[str, float],
     ) -> tuple[int, int, int]:
         """Steps 2-4 for the keys the holder leased; returns (bytes, chunks, mismatches)."""
         holder_info = client.info()
@@ -258,9 +271,11 @@ class Fetcher:
         if not usable:
             return 0, 0, 0
         alloc_ttl = max(0.1, deadline - time.monotonic()) + self.quarantine_s + LEASE_MARGIN_S
+        start = time.perf_counter()
         alloc = self.core.allocate(
             ns_id, [hits[i].key for i in usable], [chunk_bytes] * len(usable), alloc_ttl
         )
+        phases["allocate"] = time.perf_counter() - start
         # 2. Which chunks to move, and their ops (chunk order, so a prefix lands first).
         chunk_ops: dict[int, list[int]] = {}  # hit index -> op indices
         local_loc: dict[int, ChunkLocation] = {}
@@ -321,6 +336,7 @@ class Fetcher:
             holder_info.transfer_address, holder_info.transfer_base, holder_info.segment_size
         )
         timeout = deadline - time.monotonic()
+        start = time.perf_counter()
         if timeout > 0:
             result = self.transport.read(peer, ops, timeout, on_done)
             failed_status = _TRANSFER_STATUS.get(result.status, FetchStatus.TRANSFER_FAILED)
@@ -329,6 +345,8 @@ class Fetcher:
             failed_status, failed_message, submitted = FetchStatus.TIMEOUT, "no time left", 0
 
         # 4. Commit what verified; give back the rest.
+        phases["transfer"] = time.perf_counter() - start  # with the hashing as chunks landed
+        start = time.perf_counter()
         commit_keys = [hits[i].key for i in sorted(verified)]
         if commit_keys:
             self.core.commit(alloc.lease_id, commit_keys, [verified[i] for i in sorted(verified)])
@@ -350,6 +368,7 @@ class Fetcher:
                 self.core.abort(alloc.lease_id, [hits[i].key for i in never])
             for i in unfinished:
                 reasons[i] = (failed_status, failed_message)
+        phases["commit"] = time.perf_counter() - start
         moved = sum(hits[i].size for i in verified)
         return moved, len(verified), len(mismatched)
 

@@ -365,6 +365,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         result = self._remote().fetch(request.ns_id, keys, request.holder, timeout)
         if self.metrics is not None:
             self.metrics.fetch_latency.observe(time.perf_counter() - start)
+            for phase, seconds in result.phases.items():
+                self.metrics.fetch_phase_latency.labels(phase).observe(seconds)
             self.metrics.fetches.labels(result.status.value).inc()
             self.metrics.fetch_bytes.inc(result.bytes)
         return wire.fetch_to_pb(result)

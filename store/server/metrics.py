@@ -45,6 +45,14 @@ class StoreMetrics:
             buckets=FETCH_BUCKETS,
             registry=registry,
         )
+        self.fetch_phase_latency = Histogram(
+            "kvtier_store_fetch_phase_seconds",
+            "Seconds a remote fetch spent per step: holder_lease (the RPC to the holder), "
+            "allocate (pages here), transfer (the bytes, verified as they land), commit",
+            ["phase"],
+            buckets=FETCH_BUCKETS,
+            registry=registry,
+        )
         self.fetches = Counter(
             "kvtier_store_fetches",
             "Remote fetches by outcome (ok, or why the local prefix fell short)",

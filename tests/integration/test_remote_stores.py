@@ -174,6 +174,10 @@ def test_fetch_is_byte_exact_into_scattered_pages(pair) -> None:
     assert metrics['kvtier_store_fetches_total{status="ok"}'] == 2
     assert metrics["kvtier_store_remote_fetched_bytes_total"] == 8 * size
     assert metrics["kvtier_store_fetch_seconds_count"] == 2
+    # where a fetch's time went: both leased at the holder, only the first moved bytes
+    phase = 'kvtier_store_fetch_phase_seconds_count{phase="%s"}'
+    assert metrics[phase % "holder_lease"] == 2 and metrics[phase % "allocate"] == 2
+    assert metrics[phase % "transfer"] == 1 and metrics[phase % "commit"] == 1
 
 
 def test_fetch_stops_where_the_holder_stops(pair) -> None:
