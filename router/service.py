@@ -2,7 +2,8 @@
 
 Loops (on the proxy's event loop):
 - refresh: re-read announced instances from the index every ``refresh_s``;
-- scrape: each instance's ``/metrics`` every ``scrape_s`` (running, waiting, KV usage);
+- scrape: each instance's ``/metrics`` every ``scrape_s`` (running, waiting, KV usage), the
+  instances spread over the interval;
 - probe: a real 1-token completion per instance every ``probe_s`` — a port that answers says
   nothing about a deadlocked engine. A failed probe ejects; a passing one re-admits.
 
@@ -23,7 +24,6 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.core.auth import Authenticator
 from kvtier.core.config import KvtierConfig
@@ -35,6 +35,7 @@ from kvtier.index.client.replica import IndexReplica
 from kvtier.router.backends import Backend, Backends
 from kvtier.router.core import RoutingCore
 from kvtier.router.discovery import DiscoveryPolicy, is_anonymous
+from kvtier.router.engine_load import engine_load
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.peers import PeerShares, replica_name
 from kvtier.router.policies import Policy, TierCosts, make_policy
@@ -81,24 +82,31 @@ class Loops:
             await asyncio.sleep(self.config.refresh_s)
 
     async def _scrape(self) -> None:
+        # Spread over the interval, not all at once: a burst of N pages to read delays every
+        # request that arrives during it (kvtier bench router-scrape).
+        await asyncio.gather(*(self._scrape_one(b) for b in self.backends.all()))  # at start
+        await asyncio.sleep(self.config.scrape_s)
+        in_flight: dict[str, asyncio.Task[None]] = {}
         while True:
-            await asyncio.gather(*(self._scrape_one(b) for b in self.backends.all()))
-            await asyncio.sleep(self.config.scrape_s)
+            backends = self.backends.all()
+            gap = self.config.scrape_s / max(1, len(backends))
+            for backend in backends:
+                task = in_flight.get(backend.url)
+                if task is None or task.done():  # a slow instance is not asked twice at once
+                    in_flight[backend.url] = asyncio.create_task(self._scrape_one(backend))
+                await asyncio.sleep(gap)
+            if not backends:
+                await asyncio.sleep(self.config.scrape_s)
+            known = {b.url for b in backends}
+            for url in [u for u in in_flight if u not in known and in_flight[u].done()]:
+                del in_flight[url]
 
     async def _scrape_one(self, backend: Backend) -> None:
         try:
             resp = await self.client.get(f"{backend.url}/metrics", timeout=2.0)
-            values: dict[str, float] = {}
-            for family in text_string_to_metric_families(resp.text):
-                for sample in family.samples:
-                    if sample.name in VLLM_LOAD and not sample.labels.get("reason"):
-                        values[sample.name] = values.get(sample.name, 0.0) + sample.value
-            self.backends.scraped(
-                backend,
-                int(values.get("vllm:num_requests_running", 0)),
-                int(values.get("vllm:num_requests_waiting", 0)),
-                values.get("vllm:kv_cache_usage_perc", 0.0),
-            )
+            resp.raise_for_status()
+            load = engine_load(resp.text)  # microseconds: fine on the event loop
+            self.backends.scraped(backend, load.running, load.waiting, load.kv_usage)
         except (httpx.HTTPError, ValueError) as exc:
             log.debug("router: scraping %s failed: %s", backend.name, exc)
 
@@ -129,9 +137,6 @@ class Loops:
             log.info("router: %s passes its probe again", backend.name)
             self.backends.admit(backend)
         return True
-
-
-VLLM_LOAD = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
 
 
 def make_core(

@@ -296,6 +296,21 @@ def trace_tools_cmd(
     write_report(report, json_out)
 
 
+def bench_router_scrape(
+    instances: Annotated[int, typer.Option(help="stand-in instances the router scrapes")] = 16,
+    seconds: Annotated[float, typer.Option(help="seconds of requests per run")] = 15.0,
+    repeats: Annotated[int, typer.Option(help="runs of each configuration, interleaved")] = 3,
+    json_out: JsonOut = None,
+) -> None:
+    """Request latency through a real router while it scrapes its instances' /metrics every
+    second, beside the same router scraping once (the floor), on fresh processes."""
+    from kvtier.bench.micro import router_scrape
+
+    report = router_scrape.run(instances, seconds, repeats)
+    router_scrape.print_report(report)
+    write_report(report, json_out)
+
+
 def register(app: typer.Typer) -> None:
     """Add these commands to ``kvtier bench``."""
     app.command("pool")(bench_pool)
@@ -307,4 +322,5 @@ def register(app: typer.Typer) -> None:
     app.command("remote")(bench_remote)
     app.command("index")(bench_index)
     app.command("router")(bench_router)
+    app.command("router-scrape")(bench_router_scrape)
     app.command("trace-tools")(trace_tools_cmd)

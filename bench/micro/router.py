@@ -15,6 +15,12 @@ path (timed here as "tokenize", not part of that decision). Reported at the long
 of each step and of the whole decision, beside floors measured in the same run: tokenizing
 the whole conversation from scratch, a bare index round trip, and the replica's query alone.
 
+Also timed: reading one instance's load off a ``/metrics`` page shaped like vLLM 0.32's (one
+engine: ~1,000 lines, ~80 KB), which the router does for every instance every
+``router.scrape_s`` on the event loop its decisions run on: ``engine_load`` beside the full
+``prometheus_client`` parse it replaced (tests/engine/test_router_vllm.py compares the two on a
+live page).
+
 The tokenizer is a byte-level BPE trained here on synthetic text (no downloads): what a real
 model's tokenizer costs per character, within a small factor.
 """
@@ -208,6 +214,52 @@ def run(
         "steps": {k: _pcts(v) for k, v in steps.items() if v},
         "floors": {k: _pcts(v) for k, v in floors.items() if v},
         "budget_ms": 2.0,
+        "scrape": scrape_cost(),
+    }
+
+
+def vllm_shaped_page() -> str:
+    """A ``/metrics`` page with the families of vLLM 0.32's (one engine): 107 gauges, 78
+    counters, 18 histograms, the three load gauges among them."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    labels = {"engine": "0", "model_name": "tiny"}
+    buckets = [0.001 * 2**i for i in range(16)]
+    for i in range(104):
+        Gauge(f"vllm:gauge_{i}", "a gauge", list(labels), registry=registry).labels(**labels)
+        if i % 35 == 0:
+            name = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")[i // 35]
+            gauge = Gauge(f"vllm:{name}", "load", list(labels), registry=registry)
+            gauge.labels(**labels).set((3, 2, 0.4)[i // 35])
+    for i in range(78):
+        Counter(f"vllm:counter_{i}", "a counter", list(labels), registry=registry).labels(**labels)
+    for i in range(18):
+        Histogram(f"vllm:hist_{i}", "a histogram", list(labels), buckets=buckets,
+                  registry=registry).labels(**labels).observe(0.01 * i)  # fmt: skip
+    return generate_latest(registry).decode()
+
+
+def scrape_cost(rounds: int = 200) -> dict:
+    """Seconds to read the load off one page: ``engine_load`` and the full parse, interleaved."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtier.router.engine_load import engine_load
+
+    page = vllm_shaped_page()
+    times: dict[str, list[float]] = {"engine_load": [], "full parse (before)": []}
+    for _ in range(rounds):
+        start = time.perf_counter()
+        engine_load(page)
+        times["engine_load"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for family in text_string_to_metric_families(page):
+            list(family.samples)
+        times["full parse (before)"].append(time.perf_counter() - start)
+    return {
+        "page_lines": page.count("\n"),
+        "page_bytes": len(page),
+        "reads": {k: _pcts(v) for k, v in times.items()},
     }
 
 
@@ -229,3 +281,15 @@ def print_report(report: dict) -> None:
                 label + name, f"{row['p50_ms']:.3f}", f"{row['p99_ms']:.3f}", str(row["n"])
             )
     console().print(table)
+    scrape = report.get("scrape")
+    if scrape:
+        table = Table(
+            title=f"reading an instance's load off its /metrics page ({scrape['page_lines']} "
+            f"lines, {scrape['page_bytes'] / 1024:.0f} KiB), on the router's event loop, per "
+            "instance per router.scrape_s"
+        )
+        for col in ("reader", "p50 ms", "p99 ms"):
+            table.add_column(col, justify="right")
+        for name, row in scrape["reads"].items():
+            table.add_row(name, f"{row['p50_ms']:.3f}", f"{row['p99_ms']:.3f}")
+        console().print(table)

@@ -22,6 +22,7 @@ from kvtier.core.config import IndexConfig
 from kvtier.core.config.router import RouterConfig
 from kvtier.core.http import HttpServer
 from kvtier.index.client import connect as connect_index
+from kvtier.router.engine_load import engine_load
 from kvtier.router.policies import POLICIES
 from kvtier.router.proxy import Proxy
 from kvtier.router.service import build
@@ -31,6 +32,7 @@ from kvtier.testing.vllm_driver import kvtier_transfer_config
 from kvtier.testing.vllm_server import MODEL_NAME, VllmServer
 
 from support.helpers import start_index_process
+from support.metrics_pages import full_parse
 
 pytestmark = pytest.mark.vllm
 CHUNK = 64
@@ -182,3 +184,18 @@ def test_a_prompt_goes_back_to_the_instance_whose_gpu_holds_it(
         )
     finally:
         router.server.stop()
+
+
+def test_the_load_read_from_a_live_vllm_page_equals_a_full_parse(fleet: Fleet) -> None:
+    """``engine_load`` reads three gauges off the page; the full parse it replaced reads all
+    of it: the same numbers from a vLLM serving a request (so running is not 0)."""
+    url = fleet.servers[0].url
+    body = {"model": MODEL_NAME, "prompt": words(8, 50), "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+        lines = resp.iter_lines()
+        while not next(lines).startswith("data: "):  # generating now
+            pass
+        page = httpx.get(f"{url}/metrics", timeout=10).text
+    load = engine_load(page)
+    assert load == full_parse(page)
+    assert load.running == 1

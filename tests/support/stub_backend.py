@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ class StubState:
     headers: list[dict[str, str]] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
     probes: int = 0
+    metrics_hang: bool = False  # /metrics answers nothing (the router's scrape times out)
+    metrics_gets: list[float] = field(default_factory=list)  # time.monotonic() of each
 
 
 def stub_app(name: str, state: StubState) -> FastAPI:
@@ -87,7 +90,10 @@ def stub_app(name: str, state: StubState) -> FastAPI:
         return {"tokens": [ord(c) % 500 for c in text]}
 
     @app.get("/metrics")
-    def metrics() -> Response:
+    async def metrics() -> Response:
+        state.metrics_gets.append(time.monotonic())
+        if state.metrics_hang:
+            await asyncio.sleep(60)
         text = f"vllm:num_requests_running {len(state.received)}\nvllm:num_requests_waiting 0\n"
         return Response(text, media_type="text/plain")
 
