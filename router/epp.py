@@ -95,6 +95,7 @@ from kvtier.router.proxy import Proxy
 from kvtier.router.requests import parse_body
 from kvtier.router.service import Loops, make_core
 from kvtier.router.tokenize import PromptTokenizer
+from kvtier.router.upstream import UpstreamClients
 
 log = logging.getLogger(__name__)
 
@@ -416,9 +417,9 @@ class Epp:
         timeout = httpx.Timeout(
             connect=config.connect_timeout_s, read=config.probe_timeout_s, write=60, pool=None
         )
-        self.client = httpx.AsyncClient(limits=limits, timeout=timeout)
-        # the proxy is used for its tokenization only (/tokenize through self.client)
-        prompts = Proxy(self.core, config, self.metrics, self.client, tokenizer, None)
+        self.upstream = UpstreamClients(limits, timeout)
+        # the proxy is used for its tokenization only (/tokenize through self.upstream)
+        prompts = Proxy(self.core, config, self.metrics, self.upstream, tokenizer, None)
         self.health = health_aio.HealthServicer()
         self.picker = EndpointPicker(
             self.core, config, self.metrics, prompts, authenticator, on_route=self._routed
@@ -471,7 +472,7 @@ class Epp:
             await s.start()
         self._tasks.append(asyncio.create_task(self._follow_health()))
         if self.probes:
-            loops = Loops(self.backends, self.config, self.metrics, self.client)
+            loops = Loops(self.backends, self.config, self.metrics, self.upstream)
             self._tasks.append(asyncio.create_task(loops.run()))
         return bound, health_bound
 
@@ -482,7 +483,7 @@ class Epp:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await asyncio.gather(*(s.stop(grace) for s in self._servers))
-        await self.client.aclose()
+        await self.upstream.aclose()
         self.core.close()
 
     def ready(self) -> bool:

@@ -50,6 +50,7 @@ from kvtier.router.requests import (
     parse_body,
 )
 from kvtier.router.tokenize import PromptTokenizer
+from kvtier.router.upstream import UpstreamClients
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,7 +78,7 @@ class Proxy:
         core: RoutingCore,
         config: RouterConfig,
         metrics: RouterMetrics,
-        client: httpx.AsyncClient,
+        upstream: UpstreamClients,
         tokenizer: PromptTokenizer | None = None,
         authenticator: Authenticator | None = None,
     ) -> None:
@@ -88,7 +89,7 @@ class Proxy:
         self.backends = core.backends
         self.config = config
         self.metrics = metrics
-        self.client = client
+        self.upstream = upstream
         self.tokenizer = tokenizer
         self._parsing = asyncio.Semaphore(PARSE_SLOTS)  # large bodies parsed at once
         self._tokenizing: set[str] = set()  # sessions whose last turn is being tokenized
@@ -156,7 +157,7 @@ class Proxy:
         """No local tokenizer: ask an instance's ``/tokenize`` (None if none answers)."""
         try:
             backend = self.backends.routable()[0]
-            resp = await self.client.post(
+            resp = await self.upstream.to(backend.url).post(
                 f"{backend.url}/tokenize",
                 json={"model": body.get("model"), **payload},
                 timeout=self.config.connect_timeout_s + 5,
@@ -236,13 +237,14 @@ class Proxy:
             except BaseException:  # cancelled (the client left) or failed: uncount it
                 self.backends.finished(backend, prompt_tokens, got_first_token=False)
                 raise
-            outgoing = self.client.build_request(
+            client = self.upstream.to(backend.url)
+            outgoing = client.build_request(
                 "POST", f"{backend.url}{path}", content=content, headers=headers
             )
             try:
                 # a non-streamed answer's headers come with its end: until then, the client
                 # leaving must cancel the request (closing the upstream connection)
-                upstream = await _unless_gone(request, self.client.send(outgoing, stream=True))
+                upstream = await _unless_gone(request, client.send(outgoing, stream=True))
             except ClientGone:
                 self.backends.finished(backend, prompt_tokens, got_first_token=False)
                 self.core.log_decision(routed, {"outcome": "client went away"})
@@ -295,7 +297,7 @@ class Proxy:
         outcome = "failed"
         self.backends.dispatched(helper, tokens)
         try:
-            resp = await self.client.post(
+            resp = await self.upstream.to(helper.url).post(
                 f"{helper.url}{path}",
                 content=_encode(prefill_only(forward)),
                 headers=headers,
@@ -440,7 +442,7 @@ class Proxy:
     async def models(self) -> Response:
         try:
             backend = self.backends.routable()[0]
-            resp = await self.client.get(f"{backend.url}/v1/models")
+            resp = await self.upstream.to(backend.url).get(f"{backend.url}/v1/models")
         except (NoBackend, httpx.HTTPError) as exc:
             return error(503, f"no instance answers: {exc}", "service_unavailable", 5)
         return Response(resp.content, resp.status_code, media_type="application/json")

@@ -41,6 +41,7 @@ from kvtier.router.peers import PeerShares, replica_name
 from kvtier.router.policies import Policy, TierCosts, make_policy
 from kvtier.router.proxy import Proxy, build_app, error_body
 from kvtier.router.tokenize import PromptTokenizer
+from kvtier.router.upstream import UpstreamClients
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +63,12 @@ class Loops:
         backends: Backends,
         config: RouterConfig,
         metrics: RouterMetrics,
-        client: httpx.AsyncClient,
+        upstream: UpstreamClients,
     ) -> None:
         self.backends = backends
         self.config = config
         self.metrics = metrics
-        self.client = client
+        self.upstream = upstream
         self._models: dict[str, str] = {}
 
     async def run(self) -> None:
@@ -76,6 +77,7 @@ class Loops:
     async def _refresh(self) -> None:
         while True:
             await asyncio.to_thread(self.backends.refresh)
+            await self.upstream.close_unused({b.url for b in self.backends.all()})
             ejected = sum(1 for b in self.backends.all() if b.ejected_reason)
             self.metrics.backends.labels("known").set(len(self.backends))
             self.metrics.backends.labels("ejected").set(ejected)
@@ -103,7 +105,8 @@ class Loops:
 
     async def _scrape_one(self, backend: Backend) -> None:
         try:
-            resp = await self.client.get(f"{backend.url}/metrics", timeout=2.0)
+            client = self.upstream.to(backend.url)
+            resp = await client.get(f"{backend.url}/metrics", timeout=2.0)
             resp.raise_for_status()
             load = engine_load(resp.text)  # microseconds: fine on the event loop
             self.backends.scraped(backend, load.running, load.waiting, load.kv_usage)
@@ -118,12 +121,13 @@ class Loops:
     async def probe(self, backend: Backend) -> bool:
         """A real completion of one token; ejects on failure, re-admits on success."""
         timeout = self.config.probe_timeout_s
+        client = self.upstream.to(backend.url)
         try:
             model = self._models.get(backend.url)
             if model is None:
-                resp = await self.client.get(f"{backend.url}/v1/models", timeout=timeout)
+                resp = await client.get(f"{backend.url}/v1/models", timeout=timeout)
                 model = self._models[backend.url] = resp.json()["data"][0]["id"]
-            resp = await self.client.post(
+            resp = await client.post(
                 f"{backend.url}/v1/completions",
                 json={"model": model, "prompt": [1], "max_tokens": 1},
                 timeout=timeout,
@@ -197,9 +201,9 @@ def build(
     timeout = httpx.Timeout(
         connect=config.connect_timeout_s, read=config.first_byte_timeout_s, write=60, pool=None
     )
-    client = httpx.AsyncClient(limits=limits, timeout=timeout)
-    proxy = Proxy(core, config, metrics, client, tokenizer, authenticator)
-    loops = Loops(backends, config, metrics, client)
+    upstream = UpstreamClients(limits, timeout)
+    proxy = Proxy(core, config, metrics, upstream, tokenizer, authenticator)
+    loops = Loops(backends, config, metrics, upstream)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -211,7 +215,7 @@ def build(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await client.aclose()
+            await upstream.aclose()
             core.close()
 
     app = build_app(proxy)

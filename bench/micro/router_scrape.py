@@ -4,7 +4,8 @@
 
 A real ``kvtier router serve`` process in front of ``--instances`` stand-in instances (one
 asyncio process on loopback: each answers a completion at once and serves a ``/metrics`` page
-shaped like vLLM 0.32's, ``router.vllm_shaped_page``), one request at a time through it for
+shaped like vLLM 0.32's, ``router.vllm_shaped_page``; the router tokenizes with a BPE trained
+here, ``router.make_tokenizer``), one request at a time through it for
 ``--seconds``. Two configurations on fresh router processes, interleaved, ``--repeats`` times:
 scraping every instance every second (``router.scrape_s`` 1, the default) and, the floor,
 scraping once at start (``scrape_s`` 3600). Reported: request latency p50 / p99 / max through
@@ -18,6 +19,7 @@ import asyncio
 import multiprocessing
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,16 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from kvtier.bench.micro.router import vllm_shaped_page
+from kvtier.bench.micro.router import make_tokenizer, vllm_shaped_page
 from kvtier.testing.ports import free_port
 from kvtier.testing.services import _start
 
-CONFIGS = {"scrape every 1 s": "1.0", "floor: scrape once": "3600"}
+# router.scrape_s of each configuration; None: no router, straight to one instance
+CONFIGS: dict[str, str | None] = {
+    "scrape every 1 s": "1.0",
+    "floor: scrape once": "3600",
+    "floor: no router, straight to an instance": None,
+}
 COMPLETION = b'{"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 8}}'
 MODELS = b'{"data": [{"id": "stub"}]}'
 
@@ -71,34 +78,42 @@ def _serve_instances(ports: list[int], page: str) -> None:
     asyncio.run(main())
 
 
-def _one_run(urls: list[str], scrape_s: str, seconds: float) -> dict[str, float]:
+def _one_run(
+    urls: list[str], scrape_s: str | None, seconds: float, model: Path
+) -> dict[str, float]:
+    if scrape_s is None:
+        return _requests(urls[0], seconds, None)
     env = {"KVTIER_ROUTER__SCRAPE_S": scrape_s}
-    args = ["router", "serve", "--port", "0", "--policy", "lmetric"]
+    args = ["router", "serve", "--port", "0", "--policy", "lmetric", "--model", str(model)]
     for url in urls:
         args += ["--backend", url]
     router = _start(args, env=env)
     try:
-        base = f"http://{router.ready['http']}"
-        body = {"model": "stub", "prompt": "hello world", "max_tokens": 1}
-        latencies: list[float] = []
-        with httpx.Client(timeout=30) as client:
-            deadline = time.monotonic() + 30
-            while client.post(f"{base}/v1/completions", json=body).status_code != 200:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the router never routed to the stand-in instances")
-                time.sleep(0.2)
-            time.sleep(2.0)  # a scrape or two first
-            cpu_start = _cpu_s(router.proc.pid)
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
-                start = time.perf_counter()
-                resp = client.post(f"{base}/v1/completions", json=body)
-                latencies.append(time.perf_counter() - start)
-                resp.raise_for_status()
-                time.sleep(0.005)
-            cpu = _cpu_s(router.proc.pid) - cpu_start
+        return _requests(f"http://{router.ready['http']}", seconds, router.proc.pid)
     finally:
         router.stop()
+
+
+def _requests(base: str, seconds: float, router_pid: int | None) -> dict[str, float]:
+    """One request at a time to ``base`` for ``seconds``; latencies and the router's CPU."""
+    body = {"model": "stub", "prompt": "hello world", "max_tokens": 1}
+    latencies: list[float] = []
+    with httpx.Client(timeout=30) as client:
+        deadline = time.monotonic() + 30
+        while client.post(f"{base}/v1/completions", json=body).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router never routed to the stand-in instances")
+            time.sleep(0.2)
+        time.sleep(2.0)  # a scrape or two first
+        cpu_start = _cpu_s(router_pid) if router_pid else 0.0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            start = time.perf_counter()
+            resp = client.post(f"{base}/v1/completions", json=body)
+            latencies.append(time.perf_counter() - start)
+            resp.raise_for_status()
+            time.sleep(0.005)
+        cpu = _cpu_s(router_pid) - cpu_start if router_pid else 0.0
     latencies.sort()
     return {
         "requests": len(latencies),
@@ -122,7 +137,9 @@ def run(instances: int = 16, seconds: float = 15.0, repeats: int = 3) -> dict[st
     )
     stand_ins.start()
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
+    tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-router-scrape-")
     try:
+        model = make_tokenizer(Path(tmp.name) / "tok")  # the router tokenizes locally
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         with tqdm(total=repeats * len(CONFIGS), desc="router runs", unit="run") as bar:
             for r in range(repeats):
@@ -130,11 +147,12 @@ def run(instances: int = 16, seconds: float = 15.0, repeats: int = 3) -> dict[st
                 if r % 2:  # interleaved: alternate which goes first
                     order.reverse()
                 for name, scrape_s in order:
-                    runs[name].append(_one_run(urls, scrape_s, seconds))
+                    runs[name].append(_one_run(urls, scrape_s, seconds, model))
                     bar.update(1)
     finally:
         stand_ins.terminate()
         stand_ins.join()
+        tmp.cleanup()
     return {
         "instances": instances,
         "seconds": seconds,
@@ -159,6 +177,7 @@ def print_report(report: dict) -> None:
         for i, row in enumerate(rows):
             table.add_row(
                 name, str(i + 1), str(row["requests"]), f"{row['p50_ms']:.2f}",
-                f"{row['p99_ms']:.2f}", f"{row['max_ms']:.1f}", f"{row['router_cpu_per_s']:.0%}",
+                f"{row['p99_ms']:.2f}", f"{row['max_ms']:.1f}",
+                f"{row['router_cpu_per_s']:.0%}" if CONFIGS.get(name) else "-",
             )  # fmt: skip
     console().print(table)
