@@ -5,7 +5,9 @@ Loops (on the proxy's event loop):
 - scrape: each instance's ``/metrics`` every ``scrape_s`` (running, waiting, KV usage), the
   instances spread over the interval;
 - probe: a real 1-token completion per instance every ``probe_s`` — a port that answers says
-  nothing about a deadlocked engine. A failed probe ejects; a passing one re-admits.
+  nothing about a deadlocked engine. A failed probe ejects; a passing one re-admits. Spread
+  over the interval as the scrape is, each instance on its own (a hung one, waited on for
+  ``probe_timeout_s``, delays no other's probe).
 
 Served by uvicorn with kvtier's HTTP limits (``kvtier.core.http.server_config``: header and body
 deadlines, body size, connection cap) and ``auth.tls`` (TLS; client certificates with
@@ -18,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -84,21 +86,29 @@ class Loops:
             await asyncio.sleep(self.config.refresh_s)
 
     async def _scrape(self) -> None:
-        # Spread over the interval, not all at once: a burst of N pages to read delays every
-        # request that arrives during it (kvtier bench router-scrape).
-        await asyncio.gather(*(self._scrape_one(b) for b in self.backends.all()))  # at start
-        await asyncio.sleep(self.config.scrape_s)
-        in_flight: dict[str, asyncio.Task[None]] = {}
+        await self._each(self.config.scrape_s, self._scrape_one)
+
+    async def _each(
+        self, interval_s: float, visit: Callable[[Backend], Coroutine[Any, Any, object]]
+    ) -> None:
+        """``visit`` every instance every ``interval_s``: all at once at start, then one after
+        another spread over the interval, each on its own. Not all at once every time: a
+        burst of N pages to read delays every request that arrives during it (``kvtier bench
+        router-scrape``). Each on its own: one instance slow to answer (up to its deadline)
+        holds back no other's visit, and is not visited twice at once."""
+        await asyncio.gather(*(visit(b) for b in self.backends.all()))
+        await asyncio.sleep(interval_s)
+        in_flight: dict[str, asyncio.Task[object]] = {}
         while True:
             backends = self.backends.all()
-            gap = self.config.scrape_s / max(1, len(backends))
+            gap = interval_s / max(1, len(backends))
             for backend in backends:
                 task = in_flight.get(backend.url)
-                if task is None or task.done():  # a slow instance is not asked twice at once
-                    in_flight[backend.url] = asyncio.create_task(self._scrape_one(backend))
+                if task is None or task.done():
+                    in_flight[backend.url] = asyncio.create_task(visit(backend))
                 await asyncio.sleep(gap)
             if not backends:
-                await asyncio.sleep(self.config.scrape_s)
+                await asyncio.sleep(interval_s)
             known = {b.url for b in backends}
             for url in [u for u in in_flight if u not in known and in_flight[u].done()]:
                 del in_flight[url]
@@ -114,9 +124,7 @@ class Loops:
             log.debug("router: scraping %s failed: %s", backend.name, exc)
 
     async def _probe(self) -> None:
-        while True:
-            await asyncio.gather(*(self.probe(b) for b in self.backends.all()))
-            await asyncio.sleep(self.config.probe_s)
+        await self._each(self.config.probe_s, self.probe)
 
     async def probe(self, backend: Backend) -> bool:
         """A real completion of one token; ejects on failure, re-admits on success."""

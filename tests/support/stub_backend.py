@@ -34,6 +34,8 @@ class StubState:
     headers: list[dict[str, str]] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
     probes: int = 0
+    probe_times: list[float] = field(default_factory=list)  # time.monotonic() of each
+    probe_hang: bool = False  # a probe is never answered (the router's probe times out)
     metrics_hang: bool = False  # /metrics answers nothing (the router's scrape times out)
     metrics_gets: list[float] = field(default_factory=list)  # time.monotonic() of each
 
@@ -45,6 +47,9 @@ def stub_app(name: str, state: StubState) -> FastAPI:
         body = await request.json()
         if body.get("max_tokens") == 1 and body.get("prompt") == [1]:
             state.probes += 1
+            state.probe_times.append(time.monotonic())
+            if state.probe_hang:
+                await asyncio.sleep(60)
             if state.mode in ("503", "hang"):
                 return JSONResponse({"error": "down"}, status_code=503)
             return JSONResponse({"choices": [{"text": "x"}]})

@@ -1,8 +1,9 @@
-"""The router's scrape of its instances' ``/metrics`` (``router/service.py``, ``Loops``), over
-real sockets against stub instances: every instance's load reaches the router, and an instance
-whose page never comes does not hold back the others' (each is asked on its own schedule, the
-instances spread over ``router.scrape_s``; a burst of all of them at once delayed every request
-that arrived during it: ``kvtier bench router-scrape``)."""
+"""The router's background visits of its instances (``router/service.py``, ``Loops``): the
+scrape of ``/metrics`` and the health probe, over real sockets against stub instances. Every
+instance's load reaches the router, and an instance that never answers holds back no other's
+scrape or probe (each is visited on its own schedule, the instances spread over the interval;
+a round of all of them at once waited for the slowest, and a burst of pages to read delayed
+every request that arrived during it: ``kvtier bench router-scrape``)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,36 @@ def test_a_hung_page_does_not_hold_back_the_other_instances_scrapes() -> None:
         assert len(asked) >= 2, (len(asked), second - first)
         backend_b = next(x for x in proxy.backends.all() if x.url == b.url)
         assert backend_b.scraped_running == 1
+    finally:
+        server.stop()
+        for stub in stubs:
+            stub.stop()
+
+
+def test_a_hung_probe_does_not_hold_back_the_other_instances_probes() -> None:
+    stubs = [StubBackend("hung"), StubBackend("b")]
+    hung, b = stubs
+    hung.state.probe_hang = True
+    config = RouterConfig(
+        backends=[{"url": s.url, "name": s.name} for s in stubs],  # type: ignore[misc]
+        policy="least-load",
+        probe_s=0.3,
+        probe_timeout_s=2.0,
+        scrape_s=3600,
+    )
+    app, proxy = build(config, index=None, probes=True)
+    server = HttpServer(app, "127.0.0.1", 0)
+    server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(hung.state.probe_times) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(hung.state.probe_times) >= 3, "the router stopped probing the hung instance"
+        first, second = hung.state.probe_times[1:3]
+        probed = [t for t in b.state.probe_times if first < t < second]
+        assert len(probed) >= 2, (len(probed), second - first)
+        by_url = {x.url: x for x in proxy.backends.all()}
+        assert by_url[hung.url].ejected_reason and not by_url[b.url].ejected_reason
     finally:
         server.stop()
         for stub in stubs:
