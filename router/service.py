@@ -86,22 +86,27 @@ class Loops:
             await asyncio.sleep(self.config.refresh_s)
 
     async def _scrape(self) -> None:
-        await self._each(self.config.scrape_s, self._scrape_one)
+        await self._each(self.config.scrape_s, self.config.max_scrapes_per_s, self._scrape_one)
 
     async def _each(
-        self, interval_s: float, visit: Callable[[Backend], Coroutine[Any, Any, object]]
+        self,
+        interval_s: float,
+        max_per_s: float,
+        visit: Callable[[Backend], Coroutine[Any, Any, object]],
     ) -> None:
         """``visit`` every instance every ``interval_s``: all at once at start, then one after
         another spread over the interval, each on its own. Not all at once every time: a
         burst of N pages to read delays every request that arrives during it (``kvtier bench
         router-scrape``). Each on its own: one instance slow to answer (up to its deadline)
-        holds back no other's visit, and is not visited twice at once."""
+        holds back no other's visit, and is not visited twice at once. At most ``max_per_s``
+        visits a second: a fleet larger than ``interval_s * max_per_s`` is visited less often
+        (at 1,000 instances a scrape a second each would take more than the router's core)."""
         await asyncio.gather(*(visit(b) for b in self.backends.all()))
         await asyncio.sleep(interval_s)
         in_flight: dict[str, asyncio.Task[object]] = {}
         while True:
             backends = self.backends.all()
-            gap = interval_s / max(1, len(backends))
+            gap = max(interval_s / max(1, len(backends)), 1.0 / max_per_s)
             for backend in backends:
                 task = in_flight.get(backend.url)
                 if task is None or task.done():
@@ -124,7 +129,7 @@ class Loops:
             log.debug("router: scraping %s failed: %s", backend.name, exc)
 
     async def _probe(self) -> None:
-        await self._each(self.config.probe_s, self.probe)
+        await self._each(self.config.probe_s, self.config.max_probes_per_s, self.probe)
 
     async def probe(self, backend: Backend) -> bool:
         """A real completion of one token; ejects on failure, re-admits on success."""

@@ -7,6 +7,7 @@ every request that arrived during it: ``kvtier bench router-scrape``)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import httpx
@@ -75,6 +76,35 @@ def test_a_hung_probe_does_not_hold_back_the_other_instances_probes() -> None:
         assert len(probed) >= 2, (len(probed), second - first)
         by_url = {x.url: x for x in proxy.backends.all()}
         assert by_url[hung.url].ejected_reason and not by_url[b.url].ejected_reason
+    finally:
+        server.stop()
+        for stub in stubs:
+            stub.stop()
+
+
+def test_scrapes_stay_under_their_rate_cap_whatever_the_fleet() -> None:
+    """``router.max_scrapes_per_s``: 3 instances to scrape every 0.05 s would be 60 scrapes a
+    second; capped at 6, each instance is scraped about twice a second, not 20 times."""
+    stubs = [StubBackend(name) for name in ("a", "b", "c")]
+    config = RouterConfig(
+        backends=[{"url": s.url, "name": s.name} for s in stubs],  # type: ignore[misc]
+        policy="least-load",
+        scrape_s=0.05,
+        max_scrapes_per_s=6,
+        probe_s=3600,
+    )
+    app, _ = build(config, index=None, probes=True)
+    server = HttpServer(app, "127.0.0.1", 0)
+    server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(stubs[0].state.metrics_gets) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        gets = stubs[0].state.metrics_gets
+        assert len(gets) >= 4, "the router stopped scraping"
+        # after the first round (all at once at start): one scrape per 3 / 6 s, not per 0.05 s
+        spacing = [later - earlier for earlier, later in itertools.pairwise(gets[1:])]
+        assert min(spacing) > 0.25, spacing
     finally:
         server.stop()
         for stub in stubs:
