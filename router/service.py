@@ -104,19 +104,24 @@ class Loops:
         await asyncio.gather(*(visit(b) for b in self.backends.all()))
         await asyncio.sleep(interval_s)
         in_flight: dict[str, asyncio.Task[object]] = {}
-        while True:
-            backends = self.backends.all()
-            gap = max(interval_s / max(1, len(backends)), 1.0 / max_per_s)
-            for backend in backends:
-                task = in_flight.get(backend.url)
-                if task is None or task.done():
-                    in_flight[backend.url] = asyncio.create_task(visit(backend))
-                await asyncio.sleep(gap)
-            if not backends:
-                await asyncio.sleep(interval_s)
-            known = {b.url for b in backends}
-            for url in [u for u in in_flight if u not in known and in_flight[u].done()]:
-                del in_flight[url]
+        try:
+            while True:
+                backends = self.backends.all()
+                gap = max(interval_s / max(1, len(backends)), 1.0 / max_per_s)
+                for backend in backends:
+                    task = in_flight.get(backend.url)
+                    if task is None or task.done():
+                        in_flight[backend.url] = asyncio.create_task(visit(backend))
+                    await asyncio.sleep(gap)
+                if not backends:
+                    await asyncio.sleep(interval_s)
+                known = {b.url for b in backends}
+                for url in [u for u in in_flight if u not in known and in_flight[u].done()]:
+                    del in_flight[url]
+        finally:  # stopped: no visit outlives the loop (nor the clients closed after it)
+            for task in in_flight.values():
+                task.cancel()
+            await asyncio.gather(*in_flight.values(), return_exceptions=True)
 
     async def _scrape_one(self, backend: Backend) -> None:
         try:
