@@ -209,8 +209,8 @@ class Fetcher:
         try:
             if not hits:
                 return 0, 0, 0, 0
-            moved = self._transfer(ns_id, chunk_bytes, hits, client, deadline, reasons, phases)
-            return (*moved, len(hits))
+            landed = self._transfer(ns_id, chunk_bytes, hits, client, deadline, reasons, phases)
+            return (*landed, len(hits))
         finally:
             if lease.lease_id:
                 self._releaser.add(holder, lease.lease_id)
