@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import aiohttp
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PASS_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+# what forwarding to an instance raises for the instance's failure (refused, reset, timed out)
+FORWARD_ERRORS = (aiohttp.ClientError, TimeoutError)
 INSTANCE_HEADER = "x-kvtier-instance"  # which instance answered (debugging, the demo)
 
 
@@ -205,6 +208,7 @@ class Proxy:
             return error(400, f"cannot tokenize this request: {exc!r}", "invalid_request_error")
         prompt_tokens = counted if counted is not None else max(1, len(raw) // 4)
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS}
+        headers.setdefault("content-type", "application/json")  # what is forwarded is JSON
         if self.authenticator is not None and self.authenticator.enabled:
             headers.pop("authorization", None)  # ours, not the instance's
         if forward is body:
@@ -237,32 +241,35 @@ class Proxy:
             except BaseException:  # cancelled (the client left) or failed: uncount it
                 self.backends.finished(backend, prompt_tokens, got_first_token=False)
                 raise
-            client = self.upstream.to(backend.url)
-            outgoing = client.build_request(
-                "POST", f"{backend.url}{path}", content=content, headers=headers
-            )
+            session = self.upstream.forwarder(backend.url)
             try:
                 # a non-streamed answer's headers come with its end: until then, the client
                 # leaving must cancel the request (closing the upstream connection)
-                upstream = await _unless_gone(request, client.send(outgoing, stream=True))
+                upstream = await _unless_gone(
+                    request, session.post(f"{backend.url}{path}", data=content, headers=headers)
+                )
             except ClientGone:
                 self.backends.finished(backend, prompt_tokens, got_first_token=False)
                 self.core.log_decision(routed, {"outcome": "client went away"})
                 return Response(status_code=499)
-            except httpx.HTTPError as exc:
+            except FORWARD_ERRORS as exc:
                 self._failed(backend, routed, prompt_tokens, type(exc).__name__, tried)
                 last = error(502, f"instance {backend.name} failed: {exc!r}", "upstream_error")
                 continue
-            if upstream.status_code >= 500:
-                text = await upstream.aread()
-                await upstream.aclose()
-                self._failed(backend, routed, prompt_tokens, f"http {upstream.status_code}", tried)
-                last = Response(text, upstream.status_code, media_type="application/json")
+            if upstream.status >= 500:
+                try:
+                    text = await upstream.read()
+                except FORWARD_ERRORS:
+                    text = b""
+                finally:
+                    upstream.close()
+                self._failed(backend, routed, prompt_tokens, f"http {upstream.status}", tried)
+                last = Response(text, upstream.status, media_type="application/json")
                 continue
-            if stream and upstream.status_code == 200:
+            if stream and upstream.status == 200:
                 return StreamingResponse(
                     self._relay(upstream, backend, routed, start),
-                    status_code=upstream.status_code,
+                    status_code=upstream.status,
                     media_type=upstream.headers.get("content-type", "text/event-stream"),
                     headers={INSTANCE_HEADER: backend.name},
                 )
@@ -361,13 +368,13 @@ class Proxy:
         self.core.log_decision(routed, {"outcome": "retried", "error": reason})
 
     async def _relay(
-        self, upstream: httpx.Response, backend: Backend, routed: Routed, start: float
+        self, upstream: aiohttp.ClientResponse, backend: Backend, routed: Routed, start: float
     ) -> AsyncIterator[bytes]:
         got_first = False
         last_chunk = 0.0
         outcome = "ok"
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.content.iter_any():
                 now = time.perf_counter()
                 if not got_first:
                     got_first = True
@@ -378,7 +385,7 @@ class Proxy:
                 last_chunk = now
                 self._realized(chunk)
                 yield chunk
-        except httpx.HTTPError as exc:  # after bytes went out: no retry, say so in the stream
+        except FORWARD_ERRORS as exc:  # after bytes went out: no retry, say so in the stream
             outcome = f"stream failed: {exc!r}"
             self.metrics.stream_errors.inc()
             if self.backends.eject(backend, "stream failed"):
@@ -389,7 +396,7 @@ class Proxy:
             outcome = "client went away"
             raise
         finally:
-            await upstream.aclose()  # cancels the upstream request if it is still running
+            upstream.close()  # cancels the upstream request if it is still running
             self.backends.finished(backend, routed.prompt_tokens, got_first)
             self.metrics.e2e.observe(time.perf_counter() - start)
             self.core.log_decision(routed, {"outcome": outcome, "stream": True})
@@ -397,31 +404,31 @@ class Proxy:
     async def _whole(
         self,
         request: Request,
-        upstream: httpx.Response,
+        upstream: aiohttp.ClientResponse,
         backend: Backend,
         routed: Routed,
         start: float,
     ) -> Response:
         """A non-streamed answer; the client leaving cancels it."""
         try:
-            content = await _unless_gone(request, upstream.aread())
+            content = await _unless_gone(request, upstream.read())
         except ClientGone:
             self.core.log_decision(routed, {"outcome": "client went away"})
             return Response(status_code=499)
-        except httpx.HTTPError as exc:
+        except FORWARD_ERRORS as exc:
             self.backends.eject(backend, "read failed")
             return error(502, f"instance {backend.name} failed: {exc!r}", "upstream_error")
         finally:
-            await upstream.aclose()
+            upstream.close()  # read whole: its connection goes back to the pool
             self.backends.finished(backend, routed.prompt_tokens, got_first_token=False)
         elapsed = time.perf_counter() - start
         self.metrics.ttft.observe(elapsed)
         self.metrics.e2e.observe(elapsed)
         self._realized(content)
-        self.core.log_decision(routed, {"outcome": "ok", "status": upstream.status_code})
+        self.core.log_decision(routed, {"outcome": "ok", "status": upstream.status})
         return Response(
             content,
-            upstream.status_code,
+            upstream.status,
             media_type=upstream.headers.get("content-type", "application/json"),
             headers={INSTANCE_HEADER: backend.name},
         )

@@ -7,6 +7,14 @@ O(all instances' connections): a third of the router's CPU at 16 instances
 (``kvtier bench router-scrape``, docs/router.md), and growing with the fleet. A pool per
 instance walks that instance's few connections.
 
+Two clients per instance: clients' requests are forwarded with aiohttp (``forwarder``), the
+router's own calls (health probes, ``/metrics`` scrapes, ``/tokenize``, offloaded prefills)
+use httpx (``to``). Why two: on the request path httpx (with anyio under it) was half of the
+router's CPU per request (py-spy, ``--gil``: 1.6 of 3.1 ms on this host), and forwarding with
+aiohttp took the router's CPU per request down by a quarter (``kvtier bench router-scrape``,
+docs/benchmarks.md); the background calls are a few a second, where the cost does not
+matter and httpx's timeouts and API read better.
+
 A pool whose instance has left the router's table is closed once it has been unused for
 ``IDLE_CLOSE_S`` (long past any request's deadline), so a fleet whose instances come and go
 does not accumulate them.
@@ -18,16 +26,28 @@ from __future__ import annotations
 
 import time
 
+import aiohttp
 import httpx
 
 IDLE_CLOSE_S = 600.0
 
 
 class UpstreamClients:
-    def __init__(self, limits: httpx.Limits, timeout: httpx.Timeout) -> None:
+    def __init__(
+        self,
+        limits: httpx.Limits,
+        timeout: httpx.Timeout,
+        forward_timeout: aiohttp.ClientTimeout | None = None,
+    ) -> None:
+        """``limits``/``timeout``: the httpx pools (probes, scrapes, ``/tokenize``, offloaded
+        prefills); ``forward_timeout``: the sessions that forward clients' requests."""
         self.limits = limits
         self.timeout = timeout
+        self.forward_timeout = forward_timeout or aiohttp.ClientTimeout(
+            total=None, connect=timeout.connect, sock_read=timeout.read
+        )
         self._clients: dict[str, httpx.AsyncClient] = {}
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._used: dict[str, float] = {}  # base URL -> time.monotonic() of its last use
 
     def to(self, url: str) -> httpx.AsyncClient:
@@ -40,8 +60,23 @@ class UpstreamClients:
         self._used[url] = time.monotonic()
         return client
 
+    def forwarder(self, url: str) -> aiohttp.ClientSession:
+        """The session that forwards clients' requests to the instance at ``url``: aiohttp,
+        not httpx, on the request path (module docstring). Asks for no compression: the
+        answer is relayed as it comes."""
+        session = self._sessions.get(url)
+        if session is None or session.closed:
+            session = self._sessions[url] = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),  # the router caps in-flight itself
+                timeout=self.forward_timeout,
+                auto_decompress=False,
+                skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            )
+        self._used[url] = time.monotonic()
+        return session
+
     def __len__(self) -> int:
-        return len(self._clients)
+        return len(self._used)
 
     async def close_unused(self, known: set[str], now: float | None = None) -> int:
         """Close the pools of instances not in ``known`` unused for ``IDLE_CLOSE_S``;
@@ -54,10 +89,18 @@ class UpstreamClients:
         ]
         for url in gone:
             del self._used[url]
-            await self._clients.pop(url).aclose()
+            await self._close(url)
         return len(gone)
 
-    async def aclose(self) -> None:
-        clients, self._clients, self._used = self._clients, {}, {}
-        for client in clients.values():
+    async def _close(self, url: str) -> None:
+        client, session = self._clients.pop(url, None), self._sessions.pop(url, None)
+        if client is not None:
             await client.aclose()
+        if session is not None:
+            await session.close()
+
+    async def aclose(self) -> None:
+        urls = set(self._clients) | set(self._sessions)
+        self._used = {}
+        for url in urls:
+            await self._close(url)

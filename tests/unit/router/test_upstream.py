@@ -27,3 +27,23 @@ def test_one_pool_per_instance_closed_once_gone_and_unused() -> None:
         assert a.is_closed and len(upstream) == 0
 
     asyncio.run(scenario())
+
+
+def test_forwarding_sessions_share_the_pools_lifecycle() -> None:
+    async def scenario() -> None:
+        upstream = UpstreamClients(httpx.Limits(), httpx.Timeout(5.0, read=7.0))
+        a = upstream.forwarder("http://a:1")
+        assert upstream.forwarder("http://a:1") is a and len(upstream) == 1
+        # the instance's deadlines: connecting, and the wait for each read (first byte)
+        assert (a.timeout.connect, a.timeout.sock_read, a.timeout.total) == (5.0, 7.0, None)
+        probe = upstream.to("http://a:1")  # the same instance: one entry, both clients
+        assert len(upstream) == 1
+        later = time.monotonic() + IDLE_CLOSE_S + 1
+        assert await upstream.close_unused(set(), now=later) == 1
+        assert a.closed and probe.is_closed and len(upstream) == 0
+        b = upstream.forwarder("http://a:1")
+        assert b is not a and not b.closed  # it came back: a new session
+        await upstream.aclose()
+        assert b.closed
+
+    asyncio.run(scenario())
