@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_PRODUCT = frozenset({"tests", "scripts", "docs", "docker", "build"})
+# results/: what `kvtier bench` writes by default (git-ignored; a cluster run leaves LMCache's
+# preload sitecustomize.py there)
+NOT_PRODUCT = frozenset({"tests", "scripts", "docs", "docker", "build", "results"})
 
 
 def product_files(pattern: str = "*.py") -> Iterator[Path]:
