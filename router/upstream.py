@@ -71,6 +71,7 @@ class UpstreamClients:
                 timeout=self.forward_timeout,
                 auto_decompress=False,
                 skip_auto_headers=("Accept-Encoding", "User-Agent"),
+                trust_env=True,  # HTTP(S)_PROXY / NO_PROXY as the httpx clients read them
             )
         self._used[url] = time.monotonic()
         return session
