@@ -419,7 +419,9 @@ class Proxy:
             self.backends.eject(backend, "read failed")
             return error(502, f"instance {backend.name} failed: {exc!r}", "upstream_error")
         finally:
-            upstream.close()  # read whole: its connection goes back to the pool
+            # read whole, its connection went back to the pool already; otherwise this drops
+            # it, and the instance sees the request cancelled
+            upstream.close()
             self.backends.finished(backend, routed.prompt_tokens, got_first_token=False)
         elapsed = time.perf_counter() - start
         self.metrics.ttft.observe(elapsed)

@@ -33,17 +33,12 @@ IDLE_CLOSE_S = 600.0
 
 
 class UpstreamClients:
-    def __init__(
-        self,
-        limits: httpx.Limits,
-        timeout: httpx.Timeout,
-        forward_timeout: aiohttp.ClientTimeout | None = None,
-    ) -> None:
-        """``limits``/``timeout``: the httpx pools (probes, scrapes, ``/tokenize``, offloaded
-        prefills); ``forward_timeout``: the sessions that forward clients' requests."""
+    def __init__(self, limits: httpx.Limits, timeout: httpx.Timeout) -> None:
+        """``timeout``'s connect and read deadlines hold for both clients (read: the wait
+        for each read, the first byte of a non-streamed answer included)."""
         self.limits = limits
         self.timeout = timeout
-        self.forward_timeout = forward_timeout or aiohttp.ClientTimeout(
+        self.forward_timeout = aiohttp.ClientTimeout(
             total=None, connect=timeout.connect, sock_read=timeout.read
         )
         self._clients: dict[str, httpx.AsyncClient] = {}
