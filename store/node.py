@@ -41,8 +41,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kvtier import __version__
 from kvtier.core.auth import Authenticator
 from kvtier.core.config import StoreConfig
@@ -55,16 +53,9 @@ from kvtier.store.api.remote import FetchResult
 from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
 from kvtier.store.client.control import socket_path
 from kvtier.store.client.shm import SHM_DIR, SharedSegment, checksum_views
-from kvtier.store.client.view import (
-    COVERS_DISK,
-    COVERS_POOL,
-    ChunkViewWriter,
-    add_held,
-    follow_events,
-    view_bytes_for,
-)
 from kvtier.store.disk.backend import DiskBackend
 from kvtier.store.pool.watchdog import start_watchdog, stop_watchdog
+from kvtier.store.shared_view import SharedView
 from kvtier.store.state.core import StoreCore
 from kvtier.store.state.limits import StoreLimits, tenant_limits
 
@@ -75,7 +66,6 @@ log = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
 SEGMENT_RE = re.compile(r"kvtier-([A-Za-z0-9_.-]+)-[0-9a-f]{16}")  # what a store names its pool
-VIEW_DISK_BYTES = 1 << 20  # disk bytes per slot of the shared view
 
 
 class NodeStore(StoreClient, StoreAdmin):
@@ -116,14 +106,13 @@ class NodeStore(StoreClient, StoreAdmin):
         cleanup_stale_segments(run_dir)
         self._lock_path = run_dir / f"{safe}{LOCK_SUFFIX}"
         self._lock_fd = _acquire_lock(self._lock_path, self.segment_name)
-        # the view of chunks engines read (store.client.view): one slot per pool page (a chunk
-        # takes a page or more) and per MiB of the disk tier, which it covers too (a model's
-        # chunk is MiBs; a disk of smaller ones overfills the view, which then answers nothing)
-        slots = self.core.capacity_bytes // self.core.page_size
-        if config.disk.enabled:
-            slots += int(config.disk.capacity) // max(self.core.page_size, VIEW_DISK_BYTES)
+        # what engines read without calling the store (kvtier.store.shared_view), after the pool
         self.view_offset = -(-int(pool.capacity) // 4096) * 4096 if config.fast_control else 0
-        self.view_bytes = view_bytes_for(slots) if config.fast_control else 0
+        self.view_bytes = 0
+        if config.fast_control:
+            self.view_bytes = SharedView.nbytes(
+                config, self.core.capacity_bytes, self.core.page_size
+            )
         try:
             self.segment = SharedSegment.create(
                 self.segment_name,
@@ -133,17 +122,11 @@ class NodeStore(StoreClient, StoreAdmin):
         except BaseException:
             self._release_lock()
             raise
-        self._view: ChunkViewWriter | None = None
+        self._view: SharedView | None = None
         if self.view_bytes:
-            view = self.segment.array[self.view_offset : self.view_offset + self.view_bytes]
-            self._view = ChunkViewWriter(
-                view.view(np.uint64),
-                self.epoch,
-                config.max_batch_keys,
-                3 * self._reap_period(),
-                COVERS_POOL | (COVERS_DISK if config.disk.enabled else 0),
+            self._view = SharedView(
+                config, self.core, self.segment, self.view_offset, 3 * self._reap_period()
             )
-            self.core.events.observer = follow_events(self._view)
         # what a crash leaves is removed by the watchdog: the pool, the lock file and the
         # control socket a service may serve for this incarnation (store.server.control)
         control = socket_path(run_dir, self.epoch)
@@ -175,8 +158,7 @@ class NodeStore(StoreClient, StoreAdmin):
                     self.core, self.segment, config.disk, tenant_limits(config, disk=True)
                 )
                 if self._view is not None:  # the files found on disk, before engines map it
-                    with self.core.events.lock:
-                        add_held(self._view, self.disk.catalog.held(), COVERS_DISK)
+                    self._view.add_disk_held(self.disk.catalog.held())
             except BaseException:
                 if self.remote is not None:
                     self.remote.close()
@@ -286,7 +268,7 @@ class NodeStore(StoreClient, StoreAdmin):
         if self.disk is not None:
             stats.update(self.disk.stats())
         if self._view is not None:
-            stats["view_overfull"] = int(self._view.overfull)
+            stats.update(self._view.stats())
         return stats
 
     def snapshot(self) -> Snapshot:
@@ -360,7 +342,7 @@ class NodeStore(StoreClient, StoreAdmin):
         while not self._closed.wait(period):
             self.core.reap()
             if self._view is not None:
-                self._view.alive()  # engines trust the view only while this moves
+                self._view.alive()
 
     def _checksum_loop(self) -> None:
         """Checksum chunks committed without one. xxhash releases the GIL, so this runs beside
@@ -391,8 +373,7 @@ class NodeStore(StoreClient, StoreAdmin):
         self._closed.set()
         self.core.events.close()
         if self._view is not None:
-            with self.core.events.lock:  # after the last change it was told of
-                self._view.retire()
+            self._view.close()
         if self.remote is not None:
             self.remote.close()  # before the pool is unmapped: peers must not read it after
         if self.disk is not None:

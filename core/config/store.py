@@ -273,6 +273,25 @@ class StoreConfig(Section):
         "over a framed Unix socket in run_dir instead of gRPC (~20x cheaper a call; "
         "docs/benchmarks.md). Store side: serve it; engine side: use it when the store does",
     )
+    view_leases: bool = Field(
+        True,
+        description="with fast_control: engines lease pool hits themselves (a pin in shared "
+        "memory the store honours, no call: kvtier.store.client.view_leases). Store side: "
+        "keep the lease region; engine side: use it when the store does. Off: a call each",
+    )
+    view_lease_sessions: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="client sessions that get a row of pins (one per engine process); the "
+        "rest lease through calls",
+    )
+    view_lease_pins: int = Field(
+        2048,
+        ge=16,
+        le=1 << 20,
+        description="chunks one session may hold pinned at once (beyond: leased through calls)",
+    )
     run_dir: Path = Field(
         default_factory=default_run_dir,
         description="lock files that tell a restart what a crashed store left behind; private "

@@ -22,7 +22,12 @@ def connect(
         from kvtier.store.client.grpc import GrpcStoreClient
 
         return GrpcStoreClient(
-            config.address, timeout_s, lazy=lazy, auth=auth, fast_control=config.fast_control
+            config.address,
+            timeout_s,
+            lazy=lazy,
+            auth=auth,
+            fast_control=config.fast_control,
+            view_leases=config.view_leases,
         )
     from kvtier.store.node import NodeStore  # embedded: the store itself, in this process
 

@@ -44,7 +44,7 @@ from kvtier.store.api.types import (
     LookupResult,
     Snapshot,
 )
-from kvtier.store.client import wire
+from kvtier.store.client import view_leases, wire
 from kvtier.store.client.control import METHODS as CONTROL_METHODS
 from kvtier.store.client.control import ControlChannel, ControlUnreachable
 from kvtier.store.client.local import NodeLocalPath
@@ -68,10 +68,13 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         auth: rpc.ClientAuth | None = None,
         verify: Authenticator | None = None,
         fast_control: bool = True,
+        view_leases: bool = True,
     ) -> None:
         """``address``: ``host:port`` or ``unix:/path`` (the node's socket: no token needed).
         ``fast_control``: make the hot-path calls on the store's control socket when it
         serves one (``kvtier.store.client.control``); gRPC otherwise.
+        ``view_leases``: with it, lease hits from the store's shared lease region when it has
+        one (``kvtier.store.client.view_leases``: no call), else through the store.
         ``lazy``: do not fail when the store is not reachable yet (an engine may start
         before its node store); every call then answers UNAVAILABLE until it is. ``auth``:
         the token / TLS this client presents. ``verify``: the address came from someone
@@ -85,7 +88,10 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         self._channel = rpc.open_channel(address, auth)
         # the control socket and the shared view, of a store on this node (never a peer's)
         self._local = NodeLocalPath(
-            fast_control and verify is None, auth.token if auth is not None else None, timeout_s
+            fast_control and verify is None,
+            auth.token if auth is not None else None,
+            timeout_s,
+            view_leases=view_leases,
         )
         self._stub = store_pb2_grpc.StoreStub(self._channel)
         self._info: StoreInfo | None = None
@@ -114,6 +120,11 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
     def view_misses(self) -> int:
         """Lookups the store's shared view answered (misses) without a call."""
         return self._local.view_misses
+
+    @property
+    def view_hits(self) -> int:
+        """Leased lookups answered (and pinned) from the view's lease region without a call."""
+        return self._local.view_hits
 
     @property
     def epoch(self) -> int:
@@ -209,6 +220,11 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         epoch = self.epoch  # the reply's extents belong to the epoch the request was made in
         if self.known_miss(ns_id, keys):  # no round trip
             return LookupResult([], LookupStatus.MISS, 0, epoch)
+        if lease_ttl_s and not session and self._local.leases_here:
+            own = self._own_session()
+            answered = self._local.view_lease(ns_id, keys, epoch, own, lease_ttl_s)
+            if answered is not None:  # pinned here, no round trip
+                return answered
         packed = pack_keys(keys)
 
         def call(session: int) -> Any:
@@ -332,10 +348,21 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         return self._call("Abort", request).aborted
 
     def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
+        mine = [i for i in lease_ids if view_leases.owns(i)]
+        if not mine:
+            return self._release_at_store(lease_ids)
+        local = iter(self._local.release_view_leases(mine))
+        others = [i for i in lease_ids if not view_leases.owns(i)]
+        remote = iter(self._release_at_store(others) if others else [])
+        return [next(local) if view_leases.owns(i) else next(remote) for i in lease_ids]
+
+    def _release_at_store(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
         reply = self._call("Release", pb.ReleaseRequest(epoch=self.epoch, lease_ids=lease_ids))
         return [wire.LEASE_STATUS_BACK[s] for s in reply.statuses]
 
     def renew(self, lease_id: int, ttl_s: float | None = None) -> float:
+        if view_leases.owns(lease_id):
+            return self._local.renew_view_lease(lease_id, ttl_s or self.info().lease_ttl_s)
         request = pb.RenewRequest(epoch=self.epoch, lease_id=lease_id, ttl_s=ttl_s or 0)
         return self._call("Renew", request).ttl_s
 

@@ -39,14 +39,24 @@ import mmap
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtier.store.api.events import EventKind, StoreEvent
 from kvtier.store.client.shm import SHM_DIR
 
-MAGIC = 0x6B76746965727632  # "kvtierv2" (v1 had no coverage word: its readers ask the store)
-HEADER_WORDS = 8  # magic, sequence, epoch, slots, max batch keys, alive at, max age, covers
+if TYPE_CHECKING:
+    from kvtier.store.client.view_leases import ExtentMapWriter
+
+# what the store tells the view of a committed pool chunk: (check, serial, size, checksum,
+# page runs), for the lease region's extent map
+Record = tuple[int, int, int, int, Any]
+
+MAGIC = 0x6B76746965727633  # "kvtierv3" (v2 had no lease region: its readers ask the store)
+# magic, sequence, epoch, slots, max batch keys, alive at, max age, covers, then the offset
+# of the lease region from the view's start (0: none; kvtier.store.client.view_leases)
+HEADER_WORDS = 16
 COVERS_POOL, COVERS_DISK = 1, 2  # the tiers a view covers (header word 7), one bit each
 EMPTY, TOMBSTONE = 0, 1
 READ_TRIES = 8
@@ -61,7 +71,9 @@ def open_view(segment_name: str, offset: int, size: int) -> tuple[ChunkView, mma
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
     finally:
         os.close(fd)
-    return ChunkView(np.frombuffer(mapped, dtype=np.uint64)), mapped
+    words = np.frombuffer(mapped, dtype=np.uint64)
+    slots = int(words[3]) if len(words) > HEADER_WORDS else 0
+    return ChunkView(words[: HEADER_WORDS + slots] if slots else words), mapped
 
 
 def view_bytes_for(max_chunks: int) -> int:
@@ -88,6 +100,29 @@ class ChunkView:
     @property
     def epoch(self) -> int:
         return int(self._words[2])
+
+    @property
+    def words(self) -> np.ndarray:
+        return self._words
+
+    @property
+    def region_offset(self) -> int:
+        """Where the lease region starts, in bytes from the view's start (0: none)."""
+        return int(self._words[8])
+
+    def answers(self) -> bool:
+        """Not retired (its store closed) nor overfull; read inside a seqlock read."""
+        return int(self._words[0]) == MAGIC and bool(int(self._words[7]))
+
+    def run_of(self, tags: Sequence[int]) -> int:
+        """How many of ``tags`` the set holds in a row from the first (inside a seqlock
+        read: the caller checks the sequence)."""
+        n = 0
+        for tag in tags:
+            if not self._probe(tag):
+                break
+            n += 1
+        return n
 
     def valid(self) -> bool:
         return int(self._words[0]) == MAGIC and len(self._slots) == int(self._words[3])
@@ -134,13 +169,9 @@ class ChunkView:
             seq = int(words[1])
             if seq & 1:
                 continue
-            if int(words[0]) != MAGIC or not int(words[7]):
+            if not self.answers():
                 return None  # retired (its store closed) or overfull (it holds too many)
-            n = 0
-            for tag in tags:
-                if not self._probe(tag):
-                    break
-                n += 1
+            n = self.run_of(tags)
             if int(words[1]) == seq:
                 return n
         return None
@@ -158,6 +189,7 @@ class ChunkViewWriter(ChunkView):
         max_batch_keys: int,
         max_age_s: float,
         covers: int = COVERS_POOL,
+        region_offset: int = 0,
     ) -> None:
         super().__init__(words)
         slots = len(words) - HEADER_WORDS
@@ -170,9 +202,12 @@ class ChunkViewWriter(ChunkView):
         # some out, which readers would take for misses (lost hits). It answers nothing
         # instead (coverage word 0: ask the store) until it fits again with room to spare.
         self.overfull = False
+        # the lease region's map of pool chunks (kvtier.store.client.view_leases), kept in
+        # step under the same seqlock
+        self.extents: ExtentMapWriter | None = None
         words[:] = 0
         words[2], words[3], words[4] = epoch, slots, max_batch_keys
-        words[6], words[7] = int(max_age_s * 1e9), covers
+        words[6], words[7], words[8] = int(max_age_s * 1e9), covers, region_offset
         self.alive()
         words[0] = MAGIC
 
@@ -187,14 +222,28 @@ class ChunkViewWriter(ChunkView):
     def _end(self) -> None:
         self._words[1] += 1
 
-    def apply(self, added: list[int], removed: list[int], tier: int = COVERS_POOL) -> None:
+    def apply(
+        self,
+        added: list[int],
+        removed: list[int],
+        tier: int = COVERS_POOL,
+        records: Sequence[Record | None] | None = None,
+    ) -> None:
         """``tier`` (one ``COVERS_*`` bit) gained the chunks tagged ``added`` and lost
-        ``removed``; a tag leaves the set when no covered tier holds it."""
+        ``removed``; a tag leaves the set when no covered tier holds it. ``records``: the
+        pool's added chunks for the extent map, one per tag (None: leave it out)."""
         if not added and not removed:
             return
         live = self._live
+        extents = self.extents if tier == COVERS_POOL else None
         self._begin()
         try:
+            if extents is not None:
+                for tag in removed:
+                    extents.drop(tag)
+                for tag, record in zip(added, records or (), strict=False):
+                    if record is not None:
+                        extents.put(tag, *record)
             for tag in removed:
                 held = live.get(tag, 0)
                 if held & tier:
@@ -224,8 +273,22 @@ class ChunkViewWriter(ChunkView):
         self._words[0] = 0
         self._end()
 
+    def set_checksums(self, items: Sequence[tuple[int, int, int]]) -> None:
+        """(tag, serial, checksum) of pool chunks whose checksum the store computed after
+        they were committed."""
+        if self.extents is None or not items:
+            return
+        self._begin()
+        try:
+            for tag, serial, checksum in items:
+                self.extents.set_checksum(tag, serial, checksum)
+        finally:
+            self._end()
+
     def clear(self) -> None:
         self._begin()
+        if self.extents is not None:
+            self.extents.clear()
         self._live.clear()
         self._slots[:] = EMPTY
         self._used = 0
@@ -262,9 +325,13 @@ class ChunkViewWriter(ChunkView):
                 self._insert(tag)
 
 
-def follow_events(writer: ChunkViewWriter) -> Callable[[Sequence[StoreEvent]], None]:
+def follow_events(
+    writer: ChunkViewWriter, records: Callable[[bytes, bytes], Record | None] | None = None
+) -> Callable[[Sequence[StoreEvent]], None]:
     """An ``EventLog`` observer that keeps ``writer`` equal to the chunks of the tiers it
-    covers (the pool's events say tier "cpu", the disk tier's "disk")."""
+    covers (the pool's events say tier "cpu", the disk tier's "disk"). ``records(namespace
+    id, key)``: a pool chunk just stored, for the extent map (called under the store's
+    lock, which the log's observer runs in)."""
     bits = {"cpu": COVERS_POOL, "disk": COVERS_DISK}
 
     def observe(events: Sequence[StoreEvent]) -> None:
@@ -277,7 +344,10 @@ def follow_events(writer: ChunkViewWriter) -> Callable[[Sequence[StoreEvent]], N
                 continue
             tags = [tag_of(event.namespace, k) for k in event.keys]
             if event.kind is EventKind.STORED:
-                writer.apply(tags, [], tier)
+                recs = None
+                if records is not None and tier == COVERS_POOL:
+                    recs = [records(event.namespace, k) for k in event.keys]
+                writer.apply(tags, [], tier, recs)
             else:
                 writer.apply([], tags, tier)
 

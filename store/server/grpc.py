@@ -209,6 +209,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         keys = unpack_keys(request.keys)
         with self._timed("lookup"):
             result = self.core.lookup(request.ns_id, keys, ttl, session=request.session)
+        if ttl is not None:  # an engine: its next leased lookups can be answered on its node
+            self.core.grant_pin_row(request.session)
         return pb.LookupReply(
             hits=wire.locations_to_pb(result.hits),
             stop=wire.LOOKUP_STATUS[result.stop],
@@ -226,6 +228,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         keys, sizes = unpack_keys(request.keys), list(request.sizes)
         with self._timed("allocate"):
             result = self.core.allocate(request.ns_id, keys, sizes, ttl, session=request.session)
+        self.core.grant_pin_row(request.session)
         reply = pb.AllocateReply(
             lease_id=result.lease_id,
             lease_ttl_s=result.lease_ttl_s,

@@ -106,6 +106,17 @@ _COUNTERS = {
     "session_released_read": "Read leases ended with their session (chunks unpinned)",
     "session_released_write": "Write leases ended with their session (allocations aborted)",
     "namespaces_retired": "Namespaces forgotten: no chunks left and unused for a while",
+    "view_hit_chunks": "Chunks engines leased themselves from the shared view (no call)",
+}
+# Present with the engines' own read leases (store.view_leases).
+_VIEW_GAUGES = {
+    "view_pinned_chunks": "Chunks engines pin themselves now (their own read leases)",
+    "view_held_chunks": "Chunks out of the pool's table whose pages an engine's pin keeps",
+    "view_unmapped_chunks": "Pool chunks the lease region's map left out (leased by a call)",
+}
+_VIEW_COUNTERS = {
+    "view_pins_expired": "Engines' pins cleared at store.max_lease_lifetime_s",
+    "view_lock_misses": "Store sections run without the lease region's lock (nothing evicted)",
 }
 # Per tenant, by name (unlisted tenants summed as "other"; never a salt or its digest).
 _TENANT_GAUGES = {
@@ -181,6 +192,11 @@ class StoreCollector(Collector):
                 if key.startswith(name + "."):
                     family.add_metric([key[len(name) + 1 :]], value)
             yield family
+        if "view_pinned_chunks" in stats:
+            for name, doc in _VIEW_GAUGES.items():
+                yield GaugeMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])
+            for name, doc in _VIEW_COUNTERS.items():
+                yield CounterMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])
         if "disk_chunks" in stats:
             for name, doc in _DISK_GAUGES.items():
                 yield GaugeMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])

@@ -39,9 +39,10 @@ Threading: every public method takes the store's lock; call from any thread.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 from kvtier.core.chunks import ChunkLocation, LookupStatus
@@ -58,6 +59,7 @@ from kvtier.store.state.namespaces import NamespaceTable
 from kvtier.store.state.pages import PageBook
 from kvtier.store.state.quotas import TenantBook
 from kvtier.store.state.sessions import SessionTable
+from kvtier.store.state.view_pins import ViewPins
 
 
 class StoreCore:
@@ -90,7 +92,9 @@ class StoreCore:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.limits = limits = limits or StoreLimits()
         self.tenants = TenantBook(page_size, num_pages, limits.tenants, limits.default_quota_bytes)
-        self.pages = PageBook(num_pages, page_size, eviction, self.counters, self.tenants)
+        self.pages = PageBook(
+            num_pages, page_size, eviction, self.counters, self.tenants, clock=clock
+        )
         self.namespaces = NamespaceTable(limits, self.pages, self.tenants, self.counters)
         self.leases = LeaseTable(
             self.pages,
@@ -104,6 +108,42 @@ class StoreCore:
         self.sessions = SessionTable(limits.session_timeout_s, limits.max_sessions)
         self.checksums = ChecksumQueue(self.pages)
         self.events = EventLog(node_id=node_id, epoch=epoch, capacity=event_buffer)
+        # chunks whose checksum was computed after their commit (the view's map follows)
+        self.on_checksums: Callable[[list[ChunkEntry]], None] | None = None
+
+    def attach_view_pins(self, pins: ViewPins) -> None:
+        """Honour the engines' own read leases from now on (``kvtier.store.state.view_pins``):
+        before any session opens or chunk commits."""
+        with self._lock:
+            self.pages.view_pins = pins
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The store's lock and, with engines' own leases, the pin table's: around anything
+        that may free a committed chunk's pages. The hits engines made themselves are counted
+        first (uses, in the eviction order)."""
+        with self._lock:
+            pins = self.pages.view_pins
+            if pins is None:
+                yield
+                return
+            pins.begin()
+            try:
+                self._count_view_hits(pins.take_touches())
+                yield
+            finally:
+                pins.end()
+
+    def _count_view_hits(self, serials: list[int]) -> None:
+        if not serials:
+            return
+        now = self._clock()
+        for serial in serials:
+            entry = self.pages.by_serial.get(serial)
+            if entry is not None:
+                entry.last_access = now
+                self.pages.policy.touch(entry.key)
+        self.counters["view_hit_chunks"] += len(serials)
 
     # -- namespaces --------------------------------------------------------------------------
 
@@ -253,6 +293,16 @@ class StoreCore:
             self.counters["sessions_opened"] += 1
             return session
 
+    def grant_pin_row(self, session: int) -> None:
+        """Give ``session`` a row of the engines' pin table, if it has none and one is free:
+        called for a node's engine (its leased lookups and allocations), not for a peer."""
+        pins = self.pages.view_pins
+        if pins is None or not session or pins.has_row(session):
+            return
+        with self._lock:
+            if session in self.sessions:
+                pins.assign(session)
+
     def heartbeat(self, session: int) -> bool:
         """Keep ``session`` alive. False if it is not open (closed or timed out: its leases
         are gone, and the client must open a new session)."""
@@ -269,6 +319,8 @@ class StoreCore:
             if not self.sessions.close(session):
                 return 0
             self.counters["sessions_closed"] += 1
+            if self.pages.view_pins is not None:
+                self.pages.view_pins.session_ended(session)
             return self.leases.end_session(session)
 
     # -- writes ------------------------------------------------------------------------------
@@ -296,7 +348,7 @@ class StoreCore:
             )
         if len(set(keys)) != len(keys):
             raise KvtierError(ErrorCode.INVALID_ARGUMENT, "duplicate keys in one allocation")
-        with self._lock:
+        with self._exclusive():
             now = self._clock()
             info = self.namespaces.use(ns_id, now)
             for key, size in zip(keys, sizes, strict=True):
@@ -398,7 +450,7 @@ class StoreCore:
         are skipped). Returns how many were held."""
         self.limits.check_batch(len(keys))
         check_keys(keys)
-        with self._lock:
+        with self._exclusive():
             self.namespaces.use(ns_id, self._clock())
             removed: list[ChunkEntry] = []
             for key in keys:
@@ -415,7 +467,7 @@ class StoreCore:
 
     def clear(self) -> int:
         """Remove every chunk. Pinned and half-written ones go once their leases end."""
-        with self._lock:
+        with self._exclusive():
             entries = list(self.pages.table.values())
             for entry in entries:
                 if entry.state is ChunkState.COMMITTED:
@@ -440,6 +492,8 @@ class StoreCore:
         """Record checksums computed for ``take_unsummed``'s chunks and unpin them."""
         with self._lock:
             self.checksums.finish(done)
+            if self.on_checksums is not None:
+                self.on_checksums([entry for entry, _ in done])
 
     def read_lease_entries(self, lease_id: int) -> list[ChunkEntry]:
         """The chunks pinned by a read lease, in lookup order (to checksum them in place)."""
@@ -450,6 +504,8 @@ class StoreCore:
         """Record checksums computed for pinned chunks (e.g. of a read lease)."""
         with self._lock:
             self.checksums.record(done)
+            if self.on_checksums is not None:
+                self.on_checksums([entry for entry, _ in done])
 
     def location_of(self, entry: ChunkEntry) -> ChunkLocation:
         with self._lock:
@@ -463,7 +519,7 @@ class StoreCore:
         out: list[tuple[bytes, bytes, int]] = []
         with self._lock:
             total = 0
-            for key in self.pages.policy.coldest(self.pages.evictable):
+            for key in self.pages.policy.coldest(self.pages.unpinned):
                 entry = self.pages.table[cast(bytes, key)]
                 if total + entry.pages * self.page_size > max_bytes:
                     break
@@ -481,7 +537,7 @@ class StoreCore:
         out: list[tuple[ChunkEntry, ChunkLocation]] = []
         with self._lock:
             seen = taken = 0
-            for key in self.pages.policy.coldest(self.pages.evictable):
+            for key in self.pages.policy.coldest(self.pages.unpinned):
                 entry = self.pages.table[cast(bytes, key)]
                 seen += entry.size
                 if seen > window_bytes or (out and taken + entry.size > max_bytes):
@@ -512,10 +568,12 @@ class StoreCore:
     def reap(self) -> None:
         """Expire leases and sessions, and retire idle empty namespaces, now (the service
         also calls this from a timer)."""
-        with self._lock:
+        with self._exclusive():
             now = self._clock()
             self._reap(now)
             self.namespaces.retire_idle(now)
+            if self.pages.view_pins is not None:
+                self.pages.view_pins.expire(self.limits.max_lease_lifetime_s)
 
     def _reap(self, now: float) -> None:
         """What time ended: quarantines, leases past their expiry, sessions without a
@@ -525,6 +583,9 @@ class StoreCore:
         for session in self.sessions.pop_expired(now):
             self.counters["sessions_expired"] += 1
             self.leases.end_session(session)
+            if self.pages.view_pins is not None:
+                self.pages.view_pins.session_ended(session)
+        self.pages.release_view_held(now)
 
     def snapshot(self) -> Snapshot:
         with self._lock:
@@ -552,7 +613,18 @@ class StoreCore:
                 "unsummed_chunks": len(self.checksums),
                 **self.counters,
                 **self.tenants.stats(),
+                **self._view_pin_stats(),
             }
+
+    def _view_pin_stats(self) -> dict[str, int]:
+        pins = self.pages.view_pins
+        if pins is None:
+            return {}
+        # chunks engines pin themselves now; chunks out of the table whose pages a pin keeps
+        return {
+            "view_pinned_chunks": len(pins.holding()),
+            "view_held_chunks": len(self.pages.view_held),
+        }
 
     def check_invariants(self) -> None:
         """Assert that the components agree (tests and debug builds): the page accounting,

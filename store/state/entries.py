@@ -38,6 +38,7 @@ COUNTERS = (
     "session_released_read",  # read leases ended with their session
     "session_released_write",  # write leases aborted with their session
     "namespaces_retired",  # empty and unused for namespace_idle_s: forgotten (see StoreCore)
+    "view_hit_chunks",  # chunks engines leased themselves (kvtier.store.client.view_leases)
 )
 
 
@@ -59,6 +60,10 @@ class ChunkEntry:
     checksum: int = 0  # XXH3-64 of the bytes; 0 = not computed yet (the store fills it in)
     last_access: float = 0.0
     doomed: bool = False  # unlinked from the table; pages freed once nothing references it
+    # unique in this store incarnation, given at commit: how engines' own pins name it
+    # (kvtier.store.state.view_pins); 0 while being written
+    serial: int = 0
+    held_since: float = -1.0  # unlinked while an engine's pin may name it (-1: not held)
 
 
 @dataclass(frozen=True, slots=True)

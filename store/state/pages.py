@@ -18,6 +18,8 @@ Not thread-safe: the store calls it under its lock.
 from __future__ import annotations
 
 import heapq
+import itertools
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import cast
 
@@ -27,6 +29,7 @@ from kvtier.store.pool.allocator import PageAllocator, PageRun
 from kvtier.store.pool.eviction import IsEvictable, make_policy
 from kvtier.store.state.entries import ChunkEntry, ChunkState
 from kvtier.store.state.quotas import Tenant, TenantBook
+from kvtier.store.state.view_pins import HOLD_MIN_S, ViewPins
 
 # how many of the coldest chunks eviction looks through for one the disk holds a copy of
 CLEAN_SCAN = 64
@@ -40,6 +43,7 @@ class PageBook:
         eviction: str,
         counters: dict[str, int],
         tenants: TenantBook | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.page_size = page_size
         self.alloc = PageAllocator(num_pages)
@@ -53,9 +57,15 @@ class PageBook:
         self.quarantine: list[tuple[float, int, list[PageRun]]] = []
         self.quarantine_seq = 0
         self.counters = counters  # the store's (evictions, quarantined, quarantine_released)
+        self.now = clock
         # the disk tier's: has this chunk a copy on disk? (None: no disk tier). Eviction then
         # takes a copied chunk before a colder one that has none (``_clean_victim``).
         self.on_disk: Callable[[ChunkEntry], bool] | None = None
+        # the engines' own read leases (kvtier.store.state.view_pins); None: only the store's
+        self.view_pins: ViewPins | None = None
+        self.by_serial: dict[int, ChunkEntry] = {}  # committed chunks by serial
+        self._serials = itertools.count(1)
+        self.view_held: list[ChunkEntry] = []  # unlinked, pages kept for an engine's pin
 
     def held(self, key: bytes, ns_id: bytes) -> ChunkEntry | None:
         """The chunk ``key`` as namespace ``ns_id`` sees it: None when absent or another
@@ -214,15 +224,22 @@ class PageBook:
         self.unlink(entry)
 
     def evictable(self, key: Hashable) -> bool:
+        entry = self.table[cast(bytes, key)]
+        return entry.pins == 0 and (
+            self.view_pins is None or not self.view_pins.pinned(entry.serial)
+        )
+
+    def unpinned(self, key: Hashable) -> bool:
+        """No store lease pins it (what demotion may copy; eviction asks ``evictable``)."""
         return self.table[cast(bytes, key)].pins == 0
 
     def _evictable_for(self, tenant: Tenant) -> IsEvictable:
         may_take = self.tenants.may_take
-        table = self.table
+        evictable_here = self.evictable
 
         def evictable(key: Hashable) -> bool:
-            entry = table[cast(bytes, key)]
-            return entry.pins == 0 and may_take(tenant, entry.tenant, entry.pages)
+            entry = self.table[cast(bytes, key)]
+            return evictable_here(key) and may_take(tenant, entry.tenant, entry.pages)
 
         return evictable
 
@@ -242,6 +259,8 @@ class PageBook:
             return False
         entry.state = ChunkState.COMMITTED
         entry.checksum = checksum
+        entry.serial = next(self._serials)
+        self.by_serial[entry.serial] = entry
         self.pages["committed"] += entry.pages
         entry.tenant.committed += entry.pages
         self.policy.insert(entry.key, entry.pages)
@@ -258,6 +277,8 @@ class PageBook:
         if entry.pins:
             return
         if entry.doomed:
+            if entry.held_since >= 0:
+                return  # an engine's pin still holds it (release_view_held frees it)
             self.pages["doomed"] -= entry.pages
             self.free(entry)
         else:
@@ -270,14 +291,37 @@ class PageBook:
         entry.doomed = True
         if entry.state is ChunkState.WRITING:
             return  # its write lease frees it (commit, abort or expiry)
+        self.by_serial.pop(entry.serial, None)
         self.pages["committed"] -= entry.pages
         entry.tenant.committed -= entry.pages
+        if self.view_pins is not None and self.view_pins.pinned(entry.serial):
+            entry.held_since = self.now()
+            self.view_held.append(entry)
         if entry.pins:
             self.pages["pinned"] -= entry.pages
             entry.tenant.pinned -= entry.pages
+        if entry.pins or entry.held_since >= 0:
             self.pages["doomed"] += entry.pages
         else:
             self.free(entry)
+
+    def release_view_held(self, now: float) -> None:
+        """Free the chunks unlinked under an engine's pin whose pins are gone."""
+        if not self.view_held or self.view_pins is None:
+            return
+        if all(now - e.held_since < HOLD_MIN_S for e in self.view_held):
+            return
+        pinned = self.view_pins.holding()
+        kept = []
+        for entry in self.view_held:
+            if now - entry.held_since < HOLD_MIN_S or entry.serial in pinned:
+                kept.append(entry)
+                continue
+            entry.held_since = -1.0
+            if not entry.pins:
+                self.pages["doomed"] -= entry.pages
+                self.free(entry)
+        self.view_held = kept
 
     def drop_writing(
         self, entries: list[ChunkEntry], quarantine_until: float | None = None

@@ -61,8 +61,9 @@ CHILD = textwrap.dedent(
     fresh = [bytes.fromhex(k) for k in sys.argv[5].split(",")]
     client = GrpcStoreClient(address)
     ns_id = client.register_namespace(Namespace.model_validate_json(ns_json), chunk)
-    read = client.lookup(ns_id, held, lease_ttl_s=300)
     write = client.allocate(ns_id, fresh, [chunk] * len(fresh), ttl_s=300)
+    # the engine's own pin when the store keeps a lease region (the allocation got it a row)
+    read = client.lookup(ns_id, held, lease_ttl_s=300)
     assert len(read.hits) == len(held) and write.lease_id
     print("leased", flush=True)
     time.sleep(600)
@@ -72,8 +73,13 @@ CHILD = textwrap.dedent(
 
 def test_killed_client_frees_its_pins_in_seconds(run_dir: Path) -> None:
     """The drill: an engine holding 300 s leases is SIGKILLed; its pins go within seconds
-    (store.session_timeout_s, default 5 s), and what they pinned is evictable again."""
-    store = start_store_process(run_dir, "16MiB", env={"KVTIER_STORE__POOL__EVICTION": "lru"})
+    (store.session_timeout_s, default 5 s), and what they pinned is evictable again. Store
+    leases here (``store.view_leases`` off); the engine's own pins: the test below."""
+    store = start_store_process(
+        run_dir,
+        "16MiB",
+        env={"KVTIER_STORE__POOL__EVICTION": "lru", "KVTIER_STORE__VIEW_LEASES": "false"},
+    )
     admin = GrpcStoreClient(store.address)
     child = None
     try:
@@ -120,6 +126,64 @@ def test_killed_client_frees_its_pins_in_seconds(run_dir: Path) -> None:
         assert stats["expired_read"] == 0  # ended with the session, not by TTL
 
         # The chunks it pinned are evictable again: a flood the size of the pool takes them.
+        more = keys(16, start=400)
+        for i in range(0, 16, 4):
+            _, statuses = put(store.address, more[i : i + 4], seed=i)
+            assert statuses == [AllocStatus.ALLOCATED] * 4
+        assert admin.lookup(ns_id, pinned).hits == []
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        admin.close()
+        store.stop()
+
+
+def test_killed_engine_frees_the_pins_it_took_itself(run_dir: Path) -> None:
+    """The same drill with the engine's own read leases (pins in the store's shared lease
+    region, ``kvtier.store.client.view_leases``): they hold against a flood while it lives,
+    and its session's end takes them, so the pages they held are the pool's again."""
+    store = start_store_process(run_dir, "16MiB", env={"KVTIER_STORE__POOL__EVICTION": "lru"})
+    admin = GrpcStoreClient(store.address)
+    child = None
+    try:
+        pinned = keys(4)
+        ns_id, statuses = put(store.address, pinned)
+        assert statuses == [AllocStatus.ALLOCATED] * 4
+        fresh = keys(1, start=100)
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CHILD,
+                store.address,
+                NS.model_dump_json(),
+                str(CHUNK),
+                ",".join(k.hex() for k in pinned),
+                ",".join(k.hex() for k in fresh),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None and child.stdout.readline().strip() == "leased"
+        stats = admin.stats()
+        assert stats["view_pinned_chunks"] == 4 and stats["read_leases"] == 0
+        assert stats["write_leases"] == 1 and stats["sessions"] == 1
+        # two floods the size of the pool: the pinned chunks end up the coldest and stay
+        flood = keys(32, start=200)
+        for i in range(0, 32, 4):
+            put(store.address, flood[i : i + 4], seed=i)
+        assert len(admin.lookup(ns_id, pinned).hits) == 4
+
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        took = wait_for(
+            lambda: admin.stats()["view_pinned_chunks"] == 0 and admin.stats()["sessions"] == 0,
+            60,
+            "the killed engine's session to end",
+        )
+        assert took < 60  # well under the 300 s TTL it asked for
+        assert admin.stats()["sessions_expired"] == 1
         more = keys(16, start=400)
         for i in range(0, 16, 4):
             _, statuses = put(store.address, more[i : i + 4], seed=i)

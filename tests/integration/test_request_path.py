@@ -80,33 +80,33 @@ STATE_MACHINE = [  # StoreCore's lookup and the components it calls
     "store/state/pages.py",
     "store/state/sessions.py",
 ]
-# a served store: the client (its control socket for the lease, the shared view that says the
-# lookup is no known miss) and the servicer (reached through the control socket)
+# a served store: the client, whose shared view says the lookup is no known miss and whose
+# lease region leases the hit (kvtier.store.client.view_leases): no call reaches the store
 GRPC_CLIENT = [
-    "store/client/control.py",
     "store/client/grpc.py",
     "store/client/local.py",
     "store/client/view.py",
-    "store/client/wire.py",
+    "store/client/view_leases.py",
 ]
-GRPC_SERVER = ["store/client/wire.py", "store/server/control.py", "store/server/grpc.py"]
-PEER_SERVER = ["store/client/wire.py", "store/server/grpc.py"]  # a peer store calls over gRPC
+GRPC_SERVER = ["store/client/wire.py", "store/server/grpc.py"]  # a fetch, a peer's lease
+# an engine session's first leased lookup, before the store granted it a row of the lease
+# region: on the control socket (the remote hit's engine has not leased anything before)
+CONTROL = ["store/client/control.py", "store/client/wire.py"]
 
 DRAM_EMBEDDED = {
     "engine": sorted([*ENGINE, "store/node.py", *STATE_MACHINE]),
     "engine (plumbing)": ["core/chunks.py", "core/keys.py"],
 }
-DRAM_SERVED = {
+DRAM_SERVED = {  # nothing on the store's side: the hit makes no call
     "engine": sorted([*ENGINE, *GRPC_CLIENT]),
     "engine (plumbing)": ["core/chunks.py", "core/keys.py"],
-    "store": sorted([*GRPC_SERVER, *STATE_MACHINE]),
-    "store (plumbing)": ["core/keys.py", "core/rpc.py"],
 }
 REMOTE = {
     "engine": sorted(
         [
             *ENGINE,
             *GRPC_CLIENT,
+            *CONTROL,
             "index/api.py",
             "index/client/grpc.py",
             "index/client/wire.py",
@@ -115,12 +115,15 @@ REMOTE = {
         ]
     ),
     "engine (plumbing)": ["core/chunks.py", "core/keys.py"],
-    "holder": sorted([*PEER_SERVER, *STATE_MACHINE, "store/remote/fetch.py"]),
+    "holder": sorted([*GRPC_SERVER, *STATE_MACHINE, "store/remote/fetch.py"]),
     "holder (plumbing)": ["core/auth.py", "core/keys.py", "core/rpc.py"],
     "store": sorted(
         [
             *GRPC_SERVER,
             *STATE_MACHINE,
+            "store/server/control.py",  # the engine's first leased lookup
+            "store/client/view_leases.py",  # the row it is granted then
+            "store/shared_view.py",  # the pulled chunks' records for the lease region's map
             "store/client/grpc.py",
             "store/pool/allocator.py",
             "store/remote/directory.py",

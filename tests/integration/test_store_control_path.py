@@ -24,7 +24,7 @@ from kvtier.core.config import StoreConfig
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.types import LeaseStatus
-from kvtier.store.client import wire
+from kvtier.store.client import view_leases, wire
 from kvtier.store.client.control import ControlChannel
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.store.proto import store_pb2 as pb
@@ -143,6 +143,10 @@ def test_a_store_killed_and_restarted_under_a_reading_client_is_followed(run_dir
         ns_id = tier.register_namespace(NS, CHUNK)
         old_socket = tier.info.control_socket
         assert tier.lookup(ns_id, keys_of(0, 2)).hits == []  # from the view
+        tier.put(ns_id, keys_of(50_000, 2), [np.ones(CHUNK, np.uint8)] * 2)
+        # leased by the engine itself (its allocation just now got its session a row)
+        held = tier.lookup(ns_id, keys_of(50_000, 2), 30.0)
+        assert len(held.hits) == 2 and view_leases.owns(held.lease_id)
         first.stop(signal.SIGKILL)
         time.sleep(1.0)  # past the alive bound
         assert not tier.known_miss(ns_id, keys_of(0, 2))  # no answer from a dead store's view
@@ -162,6 +166,13 @@ def test_a_store_killed_and_restarted_under_a_reading_client_is_followed(run_dir
                 time.sleep(0.1)
             assert tier.info.control_socket != old_socket
             assert not Path(old_socket).exists()  # the crashed store's socket was removed
+            # a lease of the dead incarnation is not taken for a good one (the new incarnation
+            # never issued it); the new one's are
+            assert tier.release([held.lease_id]) == [LeaseStatus.UNKNOWN]
+            for by_engine in (False, True):  # the first gets its new session a row
+                again = tier.lookup(ns_id, keys_of(0, 2), 30.0)
+                assert len(again.hits) == 2 and view_leases.owns(again.lease_id) is by_engine
+                assert tier.release([again.lease_id]) == [LeaseStatus.OK]
             assert tier.lookup(ns_id, keys_of(99_000, 2)).hits == []
             assert tier.known_miss(ns_id, keys_of(99_000, 2))  # the new view answers
         finally:

@@ -1,0 +1,639 @@
+"""Leased hits without a round trip: where the pool's committed chunks are, and a pin table
+the engines write their read leases into, beside the store's view (``kvtier.store.client.view``).
+
+A miss already costs no call (the view's tag set says the first chunk is absent). A hit needs
+a lease: nothing is read from the pool unless the store has promised not to reuse its pages
+meanwhile. Over a socket that promise costs two process wake-ups (~75 µs on the 2-core VM,
+~220 µs in Python: docs/benchmarks.md, "The control path"). Here the engine takes it itself:
+
+- the **extent map** (written by the store, read by engines) holds, per committed pool chunk,
+  its identity (the view's tag plus a second 8-byte ``check``, so 128 bits of the key),
+  a ``serial`` unique in this store incarnation, its size, checksum and up to ``MAX_RUNS``
+  page runs. A chunk that does not fit (more runs, or a full map) is left out and counted
+  (``unmapped``): readers then ask the store;
+- the **pin table**: one row per session (``pin_slots`` rows), whose first word the store sets
+  to the session id when it opens and clears when it ends; then the head of its hit ring and
+  how many of its pins the store cleared; then ``pins`` words the engine writes the serials
+  it holds into (0 = free), and the ring of the serials it hit, which the store drains to
+  count the hits and keep them warm in its eviction order (a hit that never reached the
+  store would otherwise look cold).
+
+The promise is a reader-writer lock on the segment file (``flock``, per open file, released
+by the kernel when the process dies): an engine takes it shared to read the map and write its
+pins; the store takes it exclusive around anything that could free a committed chunk's pages
+(allocation's eviction, delete, clear), reads every pin then, and holds a pinned chunk's pages
+(unlinked from its table, out of the view) until its pin is gone. So an engine either pins a
+chunk before the store looks (the store keeps it) or reads the map after the store removed it
+(the engine does not find it). The store never waits long for an engine: it tries for
+``lock_wait_s``; without the lock it evicts nothing and holds what it must unlink
+(``kvtier.store.state.view_pins``).
+
+A pin lasts until the engine releases it (a local write), its session ends (the store clears
+the row) or it reaches ``store.max_lease_lifetime_s`` (the store clears its word): the lease
+is then EXPIRED, as a store lease ending so is, and ``release`` / ``renew`` say so. The TTL
+a lookup reports is what the store would grant (``store.max_lease_ttl_s`` caps it), so the
+connector's rule that a load must start well inside it holds alike. A session gets a row on
+its first leased lookup or allocation through the store's engine surface (an engine of this
+node; a peer's lease never asks for one), and its lookups after that are answered here. A row
+is reused by a new session only after the other free rows, so a late write of an old
+session's client lands on a row nobody holds.
+
+Layout of the region (page-aligned, after the view in the pool segment; the view's header
+word 8 gives its offset from the view's start, 0 = none): a header of ``REGION_HEADER``
+little-endian u64 (magic, map slots, pin slots, pins per row, ring size, page size,
+unmapped chunks, the longest TTL the store grants in ms), the map (``ENTRY`` words per slot:
+tag, check, serial, size | runs << 48, checksum, then ``MAX_RUNS`` runs as first page << 32 |
+page count), then the pin rows (``3 + pins + ring`` words: owner, ring head, cleared, pins,
+ring).
+
+Threading: one writer of the map, the store, under its event log's lock and the view's
+seqlock; readers retry a read that saw the sequence move. ``ViewLeaser`` serializes its own
+threads (one flock per open file is shared by them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.core.chunks import ChunkLocation, LookupStatus
+from kvtier.core.errors import ErrorCode, KvtierError
+from kvtier.store.api.types import LeaseStatus, LookupResult
+from kvtier.store.client.shm import SHM_DIR
+from kvtier.store.client.view import EMPTY, READ_TRIES, TOMBSTONE, ChunkView
+
+REGION_MAGIC = 0x6B7674696572706E  # "kvtierpn"
+# magic, map slots, pin slots, pins per row, ring, page size, unmapped, max lease TTL (ms)
+REGION_HEADER = 8
+ENTRY = 8  # words per map slot
+MAX_RUNS = 3
+ROW_HEAD = 3  # owner session, ring head, pins the store cleared (lifetime)
+LOCATIONS_CACHED = 1 << 16  # per leaser: the locations of chunks it hit, by serial
+MAP_LOAD = 0.7
+VIEW_LEASE = 1 << 63  # lease ids the engine made itself (the store draws its own below 2**63)
+PAGE = 4096
+_LEASE_IDS = itertools.count(1)  # per process: a lease outlives the leaser that made it
+
+
+@dataclass(frozen=True, slots=True)
+class RegionShape:
+    map_slots: int
+    pin_slots: int
+    pins: int
+    ring: int
+
+    @property
+    def row_words(self) -> int:
+        return ROW_HEAD + self.pins + self.ring
+
+    @property
+    def pins_at(self) -> int:
+        """Word offset of the pin rows."""
+        return REGION_HEADER + self.map_slots * ENTRY
+
+    @property
+    def nbytes(self) -> int:
+        words = self.pins_at + self.pin_slots * self.row_words
+        return -(-words * 8 // PAGE) * PAGE
+
+
+def region_shape(max_chunks: int, pin_slots: int, pins: int, ring: int) -> RegionShape:
+    """A region whose map holds ``max_chunks`` below ``MAP_LOAD``."""
+    slots = 1024
+    while slots * MAP_LOAD < max_chunks * 1.25:
+        slots *= 2
+    return RegionShape(slots, pin_slots, pins, ring)
+
+
+MASK64 = (1 << 64) - 1
+
+
+def tag_of_id(id_: int) -> int:
+    """``tag_of`` from the key XOR namespace id as one 128-bit little-endian int."""
+    tag = id_ & MASK64
+    return tag + 2 if tag < 2 else tag
+
+
+def check_of(ns_id: bytes, key: bytes) -> int:
+    """The second half of a chunk's identity in the map (the tag is the first)."""
+    return int.from_bytes(key[8:16], "little") ^ int.from_bytes(ns_id[8:16], "little")
+
+
+def _word(value: int) -> np.uint64:
+    return np.uint64(value & 0xFFFFFFFFFFFFFFFF)
+
+
+class ExtentMap:
+    """Reader of the map: open addressing on the tag (column 0), linear probing."""
+
+    def __init__(self, words: np.ndarray) -> None:
+        header = words[:REGION_HEADER]
+        self.words = words
+        self.map_slots = int(header[1])
+        self.page_size = int(header[5])
+        self.max_ttl_s = int(header[7]) / 1000
+        self.shape = RegionShape(self.map_slots, int(header[2]), int(header[3]), int(header[4]))
+        self.table = words[REGION_HEADER : self.shape.pins_at].reshape(self.map_slots, ENTRY)
+        rows = words[
+            self.shape.pins_at : self.shape.pins_at + self.shape.pin_slots * self.shape.row_words
+        ]
+        self.rows = rows.reshape(self.shape.pin_slots, self.shape.row_words)
+        self._mask = self.map_slots - 1
+
+    def valid(self) -> bool:
+        return int(self.words[0]) == REGION_MAGIC
+
+    @property
+    def unmapped(self) -> int:
+        return int(self.words[6])
+
+    def find(self, tag: int) -> int | None:
+        table, mask = self.table, self._mask
+        i = tag & mask
+        for _ in range(self.map_slots):
+            word = int(table[i, 0])
+            if word == tag:
+                return i
+            if word == EMPTY:
+                return None
+            i = (i + 1) & mask
+        return None
+
+    def entry(self, tag: int, check: int) -> list[int] | None:
+        """The slot of the chunk (``tag``, ``check``) as Python ints, or None: one numpy read
+        per probe (the engine's hot path)."""
+        table, mask = self.table, self._mask
+        i = tag & mask
+        for _ in range(self.map_slots):
+            row: list[int] = table[i].tolist()
+            if row[0] == tag:
+                return row if row[1] == check else None
+            if row[0] == EMPTY:
+                return None
+            i = (i + 1) & mask
+        return None
+
+    def location(self, key: bytes, row: list[int]) -> ChunkLocation:
+        size, runs = row[3] & ((1 << 48) - 1), row[3] >> 48
+        page, extents, left = self.page_size, [], size
+        for run in row[5 : 5 + runs]:
+            nbytes = min((run & 0xFFFFFFFF) * page, left)
+            extents.append(((run >> 32) * page, nbytes))
+            left -= nbytes
+        return ChunkLocation(key, size, tuple(extents), row[4])
+
+
+class ExtentMapWriter(ExtentMap):
+    """The store's side. Call inside the view writer's write section (its seqlock)."""
+
+    def __init__(
+        self, words: np.ndarray, shape: RegionShape, page_size: int, max_ttl_s: float = 600.0
+    ) -> None:
+        words[:] = 0
+        words[1], words[2], words[3] = shape.map_slots, shape.pin_slots, shape.pins
+        words[4], words[5], words[7] = shape.ring, page_size, int(max_ttl_s * 1000)
+        super().__init__(words)
+        self._records: dict[int, np.ndarray] = {}  # tag -> its row (what a rebuild re-inserts)
+        self._used = 0  # live + tombstones
+        self._unmapped: set[int] = set()
+        words[0] = REGION_MAGIC
+
+    def put(
+        self,
+        tag: int,
+        check: int,
+        serial: int,
+        size: int,
+        checksum: int,
+        runs: Sequence[tuple[int, int]],
+    ) -> None:
+        if len(runs) > MAX_RUNS or len(self._records) + 1 > MAP_LOAD * self.map_slots:
+            self._unmapped.add(tag)
+            self.words[6] = len(self._unmapped)
+            return
+        row = np.zeros(ENTRY, dtype=np.uint64)
+        row[0], row[1], row[2] = _word(tag), _word(check), serial
+        row[3], row[4] = size | len(runs) << 48, checksum
+        for i, (start, count) in enumerate(runs):
+            row[5 + i] = start << 32 | count
+        self.drop(tag)
+        if self._used + 1 > MAP_LOAD * self.map_slots:
+            self._rebuild()
+        self._records[tag] = row
+        self._insert(row)
+
+    def drop(self, tag: int) -> None:
+        self._unmapped.discard(tag)
+        if self._records.pop(tag, None) is not None:
+            i = self.find(tag)
+            if i is not None:
+                self.table[i] = 0
+                self.table[i, 0] = TOMBSTONE
+        self.words[6] = len(self._unmapped)
+
+    def set_checksum(self, tag: int, serial: int, checksum: int) -> None:
+        row = self._records.get(tag)
+        if row is None or int(row[2]) != serial:
+            return
+        row[4] = _word(checksum)
+        i = self.find(tag)
+        if i is not None:
+            self.table[i, 4] = _word(checksum)
+
+    def clear(self) -> None:
+        self.table[:] = 0
+        self._records.clear()
+        self._unmapped.clear()
+        self._used = 0
+        self.words[6] = 0
+
+    def _insert(self, row: np.ndarray) -> None:
+        table, mask = self.table, self._mask
+        i = int(row[0]) & mask
+        while True:
+            word = int(table[i, 0])
+            if word in (EMPTY, TOMBSTONE):
+                table[i] = row
+                if word == EMPTY:
+                    self._used += 1
+                return
+            i = (i + 1) & mask
+
+    def _rebuild(self) -> None:
+        self.table[:] = 0
+        self._used = 0
+        for row in self._records.values():
+            self._insert(row)
+
+
+def open_leaser(
+    segment_name: str, view_offset: int, view_bytes: int, view: ChunkView
+) -> ViewLeaser | None:
+    """Map the lease region of the store whose ``view`` this is, read-write (the client
+    writes its pins), with the segment file open for the lock. None: it has none."""
+    at = view.region_offset
+    if not at or at >= view_bytes or (view_offset + at) % PAGE:
+        return None
+    fd = os.open(SHM_DIR / segment_name, os.O_RDWR)
+    try:
+        mapped = mmap.mmap(fd, view_bytes - at, flags=mmap.MAP_SHARED, offset=view_offset + at)
+    except BaseException:
+        os.close(fd)
+        raise
+    leaser = ViewLeaser(view, np.frombuffer(mapped, dtype=np.uint64), fd, view.epoch, mapped)
+    if not leaser.valid():
+        leaser.close()
+        return None
+    return leaser
+
+
+class ViewLeaser:
+    """The engine's side: lease a committed prefix by pinning it in its session's row.
+
+    ``lookup`` answers None whenever it cannot answer as the store would (no row for the
+    session, a read that never came out clean, a chunk the map left out, no free pin words):
+    the caller then asks the store."""
+
+    def __init__(
+        self,
+        view: ChunkView,
+        region: np.ndarray,
+        lock_fd: int,
+        epoch: int,
+        mapped: mmap.mmap | None = None,
+    ) -> None:
+        """``lock_fd``: the segment file, open (owned: ``close`` closes it); ``mapped``: the
+        region's mapping, unmapped by ``close``."""
+        self._view = view
+        self._map: ExtentMap | None = ExtentMap(region)
+        self._fd = lock_fd
+        self._mapped = mapped
+        self.epoch = epoch
+        self._lock = threading.Lock()
+        self._row_of: dict[int, int] = {}  # session -> its row
+        self._free: dict[int, list[int]] = {}  # row -> pin words free (its session's)
+        # lease id -> (session, row, pin words, the serials they hold, the row's cleared count)
+        self._leases: dict[int, tuple[int, int, list[int], list[int], int]] = {}
+        self._locations: dict[int, ChunkLocation] = {}  # serial -> a hit's (checksummed)
+        self.hits = 0  # leased lookups answered here
+
+    def valid(self) -> bool:
+        return self._map is not None and self._map.valid()
+
+    def lookup(
+        self, ns_id: bytes, keys: Sequence[bytes], session: int, ttl_s: float
+    ) -> LookupResult | None:
+        if not session or not keys:
+            return None
+        view = self._view
+        ns = int.from_bytes(ns_id[:16], "little")
+        ids = [int.from_bytes(k[:16], "little") ^ ns for k in keys]  # tag | check << 64
+        with self._lock:
+            emap = self._map
+            if emap is None:
+                return None
+            row = self._row(emap, session)
+            if row is None:
+                return None
+            if not _lock_shared(self._fd):
+                return None  # the store holds it (or is stopped holding it): ask it
+            try:
+                entries = self._read(view, emap, ids)
+                if entries is None or int(emap.rows[row, 0]) != session:
+                    return None
+                free = self._free[row]
+                if not entries or len(entries) > len(free):
+                    return None
+                serials = [entry[2] for entry in entries]
+                words = [free.pop() for _ in entries]
+                pins = emap.rows[row]
+                ring, head = emap.shape.ring, int(pins[1])
+                ring_at = ROW_HEAD + emap.shape.pins
+                for word, serial in zip(words, serials, strict=True):
+                    pins[ROW_HEAD + word] = serial
+                    pins[ring_at + head % ring] = serial  # the hit, for the eviction order
+                    head += 1
+                pins[1] = head
+                cleared = int(pins[2])
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            lease_id = VIEW_LEASE | next(_LEASE_IDS)
+            self._leases[lease_id] = (session, row, words, serials, cleared)
+            ttl_s = min(ttl_s, emap.max_ttl_s)
+            self.hits += 1
+        hits = [self._location(emap, key, entry) for key, entry in zip(keys, entries, strict=False)]
+        stop = LookupStatus.HIT if len(hits) == len(keys) else LookupStatus.MISS
+        return LookupResult(hits, stop, lease_id, self.epoch, ttl_s)
+
+    def _location(self, emap: ExtentMap, key: bytes, entry: list[int]) -> ChunkLocation:
+        """A hit's location; the same chunk (serial) hit again reuses it once checksummed."""
+        cached = self._locations.get(entry[2])
+        if cached is not None:
+            return cached
+        location = emap.location(key, entry)
+        if location.checksum:
+            if len(self._locations) >= LOCATIONS_CACHED:
+                self._locations.clear()
+            self._locations[entry[2]] = location
+        return location
+
+    def _read(self, view: ChunkView, emap: ExtentMap, ids: list[int]) -> list[list[int]] | None:
+        """The map's entries of the committed prefix from one clean read of the view; None if
+        none was had, or the map cannot say (it left out a chunk the view's set holds)."""
+        seq_word = view.words
+        for _ in range(READ_TRIES):
+            seq = int(seq_word[1])
+            if seq & 1:
+                continue
+            if not view.answers():
+                return None  # retired (its store closed) or overfull
+            entries: list[list[int]] = []
+            for id_ in ids:
+                entry = emap.entry(tag_of_id(id_), id_ >> 64)
+                if entry is None:
+                    break
+                entries.append(entry)
+            short = len(entries) < len(ids) and (emap.unmapped or not view.covers_disk)
+            # the set holds the next chunk, the map does not: in the pool but left out of the
+            # map (on the node's disk only is a pool miss, as the store would answer)
+            unsure = short and view.run_of([tag_of_id(ids[len(entries)])]) == 1
+            if int(seq_word[1]) == seq:
+                return None if unsure else entries
+        return None
+
+    def _row(self, emap: ExtentMap, session: int) -> int | None:
+        row = self._row_of.get(session)
+        if row is not None:
+            return row
+        owners = emap.rows[:, 0]
+        found = np.flatnonzero(owners == _word(session))
+        if not len(found):
+            return None
+        row = int(found[0])
+        self._row_of = {session: row}  # one session per client at a time
+        self._free[row] = list(range(emap.shape.pins))
+        return row
+
+    def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
+        """End leases made here (a local write). EXPIRED: the store ended it first (its session
+        ended, or it outlived ``store.max_lease_lifetime_s``): a copy under it may be torn."""
+        out = []
+        with self._lock:
+            emap = self._map
+            for lease_id in lease_ids:
+                held = self._leases.pop(lease_id, None)
+                if held is None or emap is None:
+                    # closed: the store restarted (or this client re-attached), so whatever
+                    # was copied under it is suspect
+                    out.append(LeaseStatus.UNKNOWN if emap is not None else LeaseStatus.EXPIRED)
+                    continue
+                session, row, words, serials, cleared = held
+                if not _intact(emap, session, row, words, serials, cleared):
+                    if int(emap.rows[row, 0]) == session:  # the words it still holds go
+                        self._clear(emap, row, session, words, serials)
+                    out.append(LeaseStatus.EXPIRED)
+                    continue
+                self._clear(emap, row, session, words, serials)
+                out.append(LeaseStatus.OK)
+        return out
+
+    def _clear(
+        self, emap: ExtentMap, row: int, session: int, words: list[int], serials: list[int]
+    ) -> None:
+        pins = emap.rows[row]
+        for word, serial in zip(words, serials, strict=True):
+            if int(pins[ROW_HEAD + word]) == serial:
+                pins[ROW_HEAD + word] = 0
+        if self._row_of.get(session) == row:
+            self._free[row].extend(words)  # a word the store cleared is free again too
+
+    def renew(self, lease_id: int, ttl_s: float) -> float:
+        """A pin has no TTL of its own: it holds while its session does, up to the store's
+        lifetime bound. Answers the TTL the store would grant."""
+        with self._lock:
+            emap, held = self._map, self._leases.get(lease_id)
+            alive = held is not None and emap is not None and _intact(emap, *held)
+        if not alive or emap is None:
+            raise KvtierError(ErrorCode.LEASE_EXPIRED, f"lease {lease_id:x} ended at the store")
+        return min(ttl_s, emap.max_ttl_s)
+
+    def close(self) -> None:
+        """Let go of the region: leases made here end with the session the store still
+        counts (this client's, which closes or times out)."""
+        with self._lock:
+            if self._map is None:
+                return
+            os.close(self._fd)
+            self._map = None  # the numpy views go before the mapping can close
+            self._leases.clear()
+            mapped, self._mapped = self._mapped, None
+        if mapped is not None:
+            with contextlib.suppress(BufferError):  # a reader still holds it
+                mapped.close()
+
+
+def _intact(
+    emap: ExtentMap, session: int, row: int, words: list[int], serials: list[int], cleared: int
+) -> bool:
+    """The store still counts this lease's pins: its session's row, every word as written
+    (checked word by word only when the store cleared any of the row's since)."""
+    pins = emap.rows[row]
+    if int(pins[0]) != session:
+        return False
+    if int(pins[2]) == cleared:
+        return True
+    return all(int(pins[ROW_HEAD + w]) == s for w, s in zip(words, serials, strict=True))
+
+
+def _lock_shared(fd: int, wait_s: float = 0.002) -> bool:
+    """The lock, shared, within ``wait_s`` (the store holds it exclusive for one operation;
+    a store stopped holding it must not stall the engine)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.00005)
+
+
+def owns(lease_id: int) -> bool:
+    """A lease made by an engine itself (never sent to the store)."""
+    return bool(lease_id & VIEW_LEASE)
+
+
+class PinTable:
+    """The store's side of the pin rows (``kvtier.store.state.view_pins.ViewPins``)."""
+
+    def __init__(
+        self,
+        region: np.ndarray,
+        lock_fd: int,
+        lock_wait_s: float = 0.002,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._map = ExtentMap(region)
+        self.rows = self._map.rows
+        self._fd = lock_fd
+        self._lock_wait_s = lock_wait_s
+        self._clock = clock
+        self._row_of: dict[int, int] = {}  # session -> row
+        # free rows by when they were freed: the longest free is reused first
+        self._free: list[tuple[float, int]] = [(0.0, r) for r in range(self._map.shape.pin_slots)]
+        self._cursor: dict[int, int] = {}  # row -> ring position read up to
+        self._depth = 0
+        self._pinned: set[int] | None = None
+        self.lock_misses = 0  # sections that ran without the lock (an engine held it)
+        # (row, word) -> (serial, when the store first saw it): what outlives its lifetime
+        self._seen: dict[tuple[int, int], tuple[int, float]] = {}
+        self.expired = 0  # pins the store cleared at store.max_lease_lifetime_s
+
+    def has_row(self, session: int) -> bool:
+        return session in self._row_of
+
+    def assign(self, session: int) -> None:
+        if session in self._row_of or not self._free:
+            return  # no row free: this session's leases go through the store
+        self._free.sort()
+        _, row = self._free.pop(0)
+        self.rows[row, 1:] = 0
+        self._cursor[row] = 0
+        self.rows[row, 0] = _word(session)
+        self._row_of[session] = row
+
+    def session_ended(self, session: int) -> None:
+        row = self._row_of.pop(session, None)
+        if row is None:
+            return
+        self.rows[row, 0] = 0  # first: a client that looks now finds its row gone
+        self.rows[row, 1:] = 0
+        self._cursor.pop(row, None)
+        self._free.append((self._clock(), row))
+
+    def begin(self) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        deadline = time.monotonic() + self._lock_wait_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    self._pinned = None
+                    self.lock_misses += 1
+                    return
+                time.sleep(0.00005)
+        self._pinned = self.holding()
+
+    def end(self) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        if self._pinned is not None:
+            self._pinned = None
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def pinned(self, serial: int) -> bool:
+        """Held by an engine's pin (True whenever that is not known: outside a section, or
+        one that ran without the lock)."""
+        return self._pinned is None or serial in self._pinned
+
+    def holding(self) -> set[int]:
+        """The serials pinned now (rows of open sessions only)."""
+        rows = [r for r in self._row_of.values()]
+        if not rows:
+            return set()
+        pins = self.rows[rows, ROW_HEAD : ROW_HEAD + self._map.shape.pins]
+        return set(pins[pins != 0].tolist())
+
+    def expire(self, lifetime_s: float) -> None:
+        """Clear the pins held longer than ``lifetime_s`` (inside a section with the lock: no
+        engine is between reading the map and writing its pin). Their leases answer EXPIRED;
+        the pages they held are the pool's again."""
+        if self._pinned is None:
+            return
+        now = self._clock()
+        seen: dict[tuple[int, int], tuple[int, float]] = {}
+        pins_at = ROW_HEAD
+        for row in self._row_of.values():
+            words = self.rows[row, pins_at : pins_at + self._map.shape.pins]
+            for word in np.flatnonzero(words).tolist():
+                serial = int(words[word])
+                first = self._seen.get((row, word))
+                since = first[1] if first is not None and first[0] == serial else now
+                if now - since >= lifetime_s:
+                    words[word] = 0
+                    self.rows[row, 2] += np.uint64(1)  # its lease must look word by word
+                    self.expired += 1
+                    self._pinned.discard(serial)
+                    continue
+                seen[(row, word)] = (serial, since)
+        self._seen = seen
+
+    def take_touches(self) -> list[int]:
+        """The serials engines hit since the last call (inside a section with the lock only:
+        a ring read beside a writer could see a head before its entries)."""
+        if self._pinned is None:
+            return []
+        ring = self._map.shape.ring
+        ring_at = ROW_HEAD + self._map.shape.pins
+        out: list[int] = []
+        for row in self._row_of.values():
+            head = int(self.rows[row, 1])
+            start = max(self._cursor.get(row, 0), head - ring)
+            out.extend(int(self.rows[row, ring_at + i % ring]) for i in range(start, head))
+            self._cursor[row] = head
+        return out
