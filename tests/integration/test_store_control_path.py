@@ -179,6 +179,7 @@ def test_a_store_killed_and_restarted_under_a_reading_client_is_followed(run_dir
             second.stop()
     finally:
         tier.close()
+        first.stop()  # already killed, unless the test failed before
 
 
 def test_another_uid_cannot_use_the_control_socket(run_dir: Path) -> None:
