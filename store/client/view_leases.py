@@ -429,21 +429,34 @@ class ViewLeaser:
         out = []
         with self._lock:
             emap = self._map
-            for lease_id in lease_ids:
-                held = self._leases.pop(lease_id, None)
-                if held is None or emap is None:
-                    # closed: the store restarted (or this client re-attached), so whatever
-                    # was copied under it is suspect
-                    out.append(LeaseStatus.UNKNOWN if emap is not None else LeaseStatus.EXPIRED)
-                    continue
-                session, row, words, serials, cleared = held
-                if not _intact(emap, session, row, words, serials, cleared):
-                    if int(emap.rows[row, 0]) == session:  # the words it still holds go
-                        self._clear(emap, row, session, words, serials)
-                    out.append(LeaseStatus.EXPIRED)
-                    continue
-                self._clear(emap, row, session, words, serials)
-                out.append(LeaseStatus.OK)
+            # The lock is a full memory barrier: the copy's reads of the pool complete before
+            # the store can see a pin cleared (x86 keeps that order anyway, ARM need not).
+            locked = emap is not None and _lock_shared(self._fd)
+            try:
+                out = self._release(emap, lease_ids)
+            finally:
+                if locked:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return out
+
+    def _release(self, emap: ExtentMap | None, lease_ids: Sequence[int]) -> list[LeaseStatus]:
+        """Under ``self._lock``: each lease's status, its words cleared."""
+        out = []
+        for lease_id in lease_ids:
+            held = self._leases.pop(lease_id, None)
+            if held is None or emap is None:
+                # closed: the store restarted (or this client re-attached), so whatever
+                # was copied under it is suspect
+                out.append(LeaseStatus.UNKNOWN if emap is not None else LeaseStatus.EXPIRED)
+                continue
+            session, row, words, serials, cleared = held
+            if not _intact(emap, session, row, words, serials, cleared):
+                if int(emap.rows[row, 0]) == session:  # the words it still holds go
+                    self._clear(emap, row, session, words, serials)
+                out.append(LeaseStatus.EXPIRED)
+                continue
+            self._clear(emap, row, session, words, serials)
+            out.append(LeaseStatus.OK)
         return out
 
     def _clear(
@@ -576,6 +589,9 @@ class PinTable:
                     self.lock_misses += 1
                     return
                 time.sleep(0.00005)
+            except OSError:  # closed under a last reap: the store is shutting down
+                self._pinned = None
+                return
         self._pinned = self.holding()
 
     def end(self) -> None:
@@ -584,7 +600,8 @@ class PinTable:
             return
         if self._pinned is not None:
             self._pinned = None
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def pinned(self, serial: int) -> bool:
         """Held by an engine's pin (True whenever that is not known: outside a section, or
