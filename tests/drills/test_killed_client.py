@@ -143,7 +143,9 @@ def test_killed_engine_frees_the_pins_it_took_itself(run_dir: Path) -> None:
     """The same drill with the engine's own read leases (pins in the store's shared lease
     region, ``kvtier.store.client.view_leases``): they hold against a flood while it lives,
     and its session's end takes them, so the pages they held are the pool's again."""
-    store = start_store_process(run_dir, "16MiB", env={"KVTIER_STORE__POOL__EVICTION": "lru"})
+    # a 1 s session timeout: the drill waits for the session to end, not for its default 5 s
+    env = {"KVTIER_STORE__POOL__EVICTION": "lru", "KVTIER_STORE__SESSION_TIMEOUT_S": "1"}
+    store = start_store_process(run_dir, "16MiB", env=env)
     admin = GrpcStoreClient(store.address)
     child = None
     try:

@@ -28,7 +28,7 @@ UNIVERSE = 4 * POOL_CHUNKS  # keys the writer cycles through: a quarter is in th
 NS = Namespace(
     model="race", dtype="uint8", num_layers=1, num_kv_heads=1, head_size=CHUNK, chunk_tokens=1
 )
-SECONDS = 6.0
+SECONDS = 4.0
 
 WRITER = textwrap.dedent(
     """
