@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.core.config.store import StoreConfig
+from kvtier.store.client.pin_table import PinTable
 from kvtier.store.client.shm import SHM_DIR, SharedSegment
 from kvtier.store.client.view import (
     COVERS_DISK,
@@ -30,7 +31,6 @@ from kvtier.store.client.view import (
 from kvtier.store.client.view_leases import (
     PAGE,
     ExtentMapWriter,
-    PinTable,
     RegionShape,
     check_of,
     region_shape,

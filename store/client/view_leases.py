@@ -60,7 +60,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,7 +128,7 @@ def check_of(ns_id: bytes, key: bytes) -> int:
     return int.from_bytes(key[8:16], "little") ^ int.from_bytes(ns_id[8:16], "little")
 
 
-def _word(value: int) -> np.uint64:
+def word_of(value: int) -> np.uint64:
     return np.uint64(value & 0xFFFFFFFFFFFFFFFF)
 
 
@@ -221,7 +221,7 @@ class ExtentMapWriter(ExtentMap):
             self.words[6] = len(self._unmapped)
             return
         row = np.zeros(ENTRY, dtype=np.uint64)
-        row[0], row[1], row[2] = _word(tag), _word(check), serial
+        row[0], row[1], row[2] = word_of(tag), word_of(check), serial
         row[3], row[4] = size | len(runs) << 48, checksum
         for i, (start, count) in enumerate(runs):
             row[5 + i] = start << 32 | count
@@ -244,10 +244,10 @@ class ExtentMapWriter(ExtentMap):
         row = self._records.get(tag)
         if row is None or int(row[2]) != serial:
             return
-        row[4] = _word(checksum)
+        row[4] = word_of(checksum)
         i = self.find(tag)
         if i is not None:
-            self.table[i, 4] = _word(checksum)
+            self.table[i, 4] = word_of(checksum)
 
     def clear(self) -> None:
         self.table[:] = 0
@@ -415,7 +415,7 @@ class ViewLeaser:
         if row is not None:
             return row
         owners = emap.rows[:, 0]
-        found = np.flatnonzero(owners == _word(session))
+        found = np.flatnonzero(owners == word_of(session))
         if not len(found):
             return None
         row = int(found[0])
@@ -524,133 +524,3 @@ def _lock_shared(fd: int, wait_s: float = 0.002) -> bool:
 def owns(lease_id: int) -> bool:
     """A lease made by an engine itself (never sent to the store)."""
     return bool(lease_id & VIEW_LEASE)
-
-
-class PinTable:
-    """The store's side of the pin rows (``kvtier.store.state.view_pins.ViewPins``)."""
-
-    def __init__(
-        self,
-        region: np.ndarray,
-        lock_fd: int,
-        lock_wait_s: float = 0.002,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._map = ExtentMap(region)
-        self.rows = self._map.rows
-        self._fd = lock_fd
-        self._lock_wait_s = lock_wait_s
-        self._clock = clock
-        self._row_of: dict[int, int] = {}  # session -> row
-        # free rows by when they were freed: the longest free is reused first
-        self._free: list[tuple[float, int]] = [(0.0, r) for r in range(self._map.shape.pin_slots)]
-        self._cursor: dict[int, int] = {}  # row -> ring position read up to
-        self._depth = 0
-        self._pinned: set[int] | None = None
-        self.lock_misses = 0  # sections that ran without the lock (an engine held it)
-        # (row, word) -> (serial, when the store first saw it): what outlives its lifetime
-        self._seen: dict[tuple[int, int], tuple[int, float]] = {}
-        self.expired = 0  # pins the store cleared at store.max_lease_lifetime_s
-
-    def has_row(self, session: int) -> bool:
-        return session in self._row_of
-
-    def assign(self, session: int) -> None:
-        if session in self._row_of or not self._free:
-            return  # no row free: this session's leases go through the store
-        self._free.sort()
-        _, row = self._free.pop(0)
-        self.rows[row, 1:] = 0
-        self._cursor[row] = 0
-        self.rows[row, 0] = _word(session)
-        self._row_of[session] = row
-
-    def session_ended(self, session: int) -> None:
-        row = self._row_of.pop(session, None)
-        if row is None:
-            return
-        self.rows[row, 0] = 0  # first: a client that looks now finds its row gone
-        self.rows[row, 1:] = 0
-        self._cursor.pop(row, None)
-        self._free.append((self._clock(), row))
-
-    def begin(self) -> None:
-        self._depth += 1
-        if self._depth > 1:
-            return
-        deadline = time.monotonic() + self._lock_wait_s
-        while True:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    self._pinned = None
-                    self.lock_misses += 1
-                    return
-                time.sleep(0.00005)
-            except OSError:  # closed under a last reap: the store is shutting down
-                self._pinned = None
-                return
-        self._pinned = self.holding()
-
-    def end(self) -> None:
-        self._depth -= 1
-        if self._depth:
-            return
-        if self._pinned is not None:
-            self._pinned = None
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def pinned(self, serial: int) -> bool:
-        """Held by an engine's pin (True whenever that is not known: outside a section, or
-        one that ran without the lock)."""
-        return self._pinned is None or serial in self._pinned
-
-    def holding(self) -> set[int]:
-        """The serials pinned now (rows of open sessions only)."""
-        rows = [r for r in self._row_of.values()]
-        if not rows:
-            return set()
-        pins = self.rows[rows, ROW_HEAD : ROW_HEAD + self._map.shape.pins]
-        return set(pins[pins != 0].tolist())
-
-    def expire(self, lifetime_s: float) -> None:
-        """Clear the pins held longer than ``lifetime_s`` (inside a section with the lock: no
-        engine is between reading the map and writing its pin). Their leases answer EXPIRED;
-        the pages they held are the pool's again."""
-        if self._pinned is None:
-            return
-        now = self._clock()
-        seen: dict[tuple[int, int], tuple[int, float]] = {}
-        pins_at = ROW_HEAD
-        for row in self._row_of.values():
-            words = self.rows[row, pins_at : pins_at + self._map.shape.pins]
-            for word in np.flatnonzero(words).tolist():
-                serial = int(words[word])
-                first = self._seen.get((row, word))
-                since = first[1] if first is not None and first[0] == serial else now
-                if now - since >= lifetime_s:
-                    words[word] = 0
-                    self.rows[row, 2] += np.uint64(1)  # its lease must look word by word
-                    self.expired += 1
-                    self._pinned.discard(serial)
-                    continue
-                seen[(row, word)] = (serial, since)
-        self._seen = seen
-
-    def take_touches(self) -> list[int]:
-        """The serials engines hit since the last call (inside a section with the lock only:
-        a ring read beside a writer could see a head before its entries)."""
-        if self._pinned is None:
-            return []
-        ring = self._map.shape.ring
-        ring_at = ROW_HEAD + self._map.shape.pins
-        out: list[int] = []
-        for row in self._row_of.values():
-            head = int(self.rows[row, 1])
-            start = max(self._cursor.get(row, 0), head - ring)
-            out.extend(int(self.rows[row, ring_at + i % ring]) for i in range(start, head))
-            self._cursor[row] = head
-        return out

@@ -1,10 +1,11 @@
 """Read leases the engines take without asking the store: what the state machine needs of them.
 
 An engine on the node may pin a committed chunk by writing its serial into its session's row
-of a pin table in shared memory (``kvtier.store.client.view_leases``, which implements this
-and says how). The store cannot see a pin being taken, only pins already taken, and only while
-it holds the table's lock (``begin``): so every operation that may free a committed chunk's
-pages runs inside ``begin() … end()`` (``StoreCore._exclusive``) and asks ``pinned`` first:
+of a pin table in shared memory (``kvtier.store.client.view_leases`` says how;
+``kvtier.store.client.pin_table`` implements this). The store cannot see a pin being taken,
+only pins already taken, and only while it holds the table's lock (``begin``): so every
+operation that may free a committed chunk's pages runs inside ``begin() … end()``
+(``StoreCore._exclusive``) and asks ``pinned`` first:
 
 - eviction skips a pinned chunk, like one a store lease pins;
 - a chunk deleted or cleared while pinned leaves the table and the engines' view at once, but

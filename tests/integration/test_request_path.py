@@ -122,7 +122,8 @@ REMOTE = {
             *GRPC_SERVER,
             *STATE_MACHINE,
             "store/server/control.py",  # the engine's first leased lookup
-            "store/client/view_leases.py",  # the row it is granted then
+            "store/client/pin_table.py",  # the row it is granted then
+            "store/client/view_leases.py",  # the pulled chunks in the lease region's map
             "store/shared_view.py",  # the pulled chunks' records for the lease region's map
             "store/client/grpc.py",
             "store/pool/allocator.py",
