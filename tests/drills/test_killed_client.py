@@ -71,6 +71,26 @@ CHILD = textwrap.dedent(
 )
 
 
+def start_leasing_child(address: str, held: list[bytes], fresh: list[bytes]) -> subprocess.Popen:
+    """A client process that read-leases ``held`` and write-leases ``fresh``, then sleeps."""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            address,
+            NS.model_dump_json(),
+            str(CHUNK),
+            ",".join(k.hex() for k in held),
+            ",".join(k.hex() for k in fresh),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "leased"
+    return child
+
+
 def test_killed_client_frees_its_pins_in_seconds(run_dir: Path) -> None:
     """The drill: an engine holding 300 s leases is SIGKILLed; its pins go within seconds
     (store.session_timeout_s, default 5 s), and what they pinned is evictable again. Store
@@ -87,21 +107,7 @@ def test_killed_client_frees_its_pins_in_seconds(run_dir: Path) -> None:
         ns_id, statuses = put(store.address, pinned)
         assert statuses == [AllocStatus.ALLOCATED] * 4
         fresh = keys(1, start=100)
-        child = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                CHILD,
-                store.address,
-                NS.model_dump_json(),
-                str(CHUNK),
-                ",".join(k.hex() for k in pinned),
-                ",".join(k.hex() for k in fresh),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdout is not None and child.stdout.readline().strip() == "leased"
+        child = start_leasing_child(store.address, pinned, fresh)
         stats = admin.stats()
         assert stats["read_leases"] == 1 and stats["write_leases"] == 1
         assert stats["pinned_bytes"] == 4 * CHUNK and stats["sessions"] == 1
@@ -153,21 +159,7 @@ def test_killed_engine_frees_the_pins_it_took_itself(run_dir: Path) -> None:
         ns_id, statuses = put(store.address, pinned)
         assert statuses == [AllocStatus.ALLOCATED] * 4
         fresh = keys(1, start=100)
-        child = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                CHILD,
-                store.address,
-                NS.model_dump_json(),
-                str(CHUNK),
-                ",".join(k.hex() for k in pinned),
-                ",".join(k.hex() for k in fresh),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdout is not None and child.stdout.readline().strip() == "leased"
+        child = start_leasing_child(store.address, pinned, fresh)
         stats = admin.stats()
         assert stats["view_pinned_chunks"] == 4 and stats["read_leases"] == 0
         assert stats["write_leases"] == 1 and stats["sessions"] == 1
