@@ -410,8 +410,11 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         with self._session_lock:
             if self._session or not self._sessions_supported or self._closed.is_set():
                 return self._session
+            # leasing here, the session gets its pin-table row as it opens: no first hit
+            # goes to the store for it
+            request = pb.OpenSessionRequest(epoch=self.epoch, view_leases=self._local.leases_here)
             try:
-                reply = self._call("OpenSession", pb.OpenSessionRequest(epoch=self.epoch))
+                reply = self._call("OpenSession", request)
             except KvtierError as exc:
                 if exc.code is ErrorCode.INTERNAL and exc.message.startswith("UNIMPLEMENTED"):
                     self._sessions_supported = False  # an older store: TTL-only leases

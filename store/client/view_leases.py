@@ -32,9 +32,10 @@ A pin lasts until the engine releases it (a local write), its session ends (the 
 the row) or it reaches ``store.max_lease_lifetime_s`` (the store clears its word): the lease
 is then EXPIRED, as a store lease ending so is, and ``release`` / ``renew`` say so. The TTL
 a lookup reports is what the store would grant (``store.max_lease_ttl_s`` caps it), so the
-connector's rule that a load must start well inside it holds alike. A session gets a row on
-its first leased lookup or allocation through the store's engine surface (an engine of this
-node; a peer's lease never asks for one), and its lookups after that are answered here. A row
+connector's rule that a load must start well inside it holds alike. A session gets a row as
+an engine of this node opens it (``OpenSession`` saying it leases here), else on its first
+leased lookup or allocation through the store's engine surface (a peer's lease never asks
+for one); its lookups after that are answered here. A row
 is reused by a new session only after the other free rows, so a late write of an old
 session's client lands on a row nobody holds.
 

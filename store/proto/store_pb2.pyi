@@ -267,10 +267,12 @@ class DeleteReply(_message.Message):
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("epoch",)
+    __slots__ = ("epoch", "view_leases")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VIEW_LEASES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+    view_leases: bool
+    def __init__(self, epoch: _Optional[int] = ..., view_leases: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("session", "timeout_s")

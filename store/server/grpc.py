@@ -272,6 +272,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     ) -> pb.OpenSessionReply:
         with self._timed("open_session"):
             session = self.core.open_session()
+        if request.view_leases:  # an engine of this node: its hits can be leased on its side
+            self.core.grant_pin_row(session)
         return pb.OpenSessionReply(session=session, timeout_s=self._session_timeout_s)
 
     @rpc.handler

@@ -295,7 +295,8 @@ class StoreCore:
 
     def grant_pin_row(self, session: int) -> None:
         """Give ``session`` a row of the engines' pin table, if it has none and one is free:
-        called for a node's engine (its leased lookups and allocations), not for a peer."""
+        called for a node's engine (as its session opens, its leased lookups and allocations),
+        not for a peer."""
         pins = self.pages.view_pins
         if pins is None or not session or pins.has_row(session):
             return

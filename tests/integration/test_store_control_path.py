@@ -130,6 +130,30 @@ def test_a_miss_is_answered_from_the_view_without_a_call(run_dir: Path) -> None:
         store.stop()
 
 
+def test_an_engines_first_hit_is_leased_without_a_call(run_dir: Path) -> None:
+    """An engine's session gets its pin-table row as it opens, so not even the first hit of
+    a fresh engine goes to the store."""
+    store = start_store(run_dir, "16MiB", "first-hit", remote=False)
+    writer, engine = GrpcStoreClient(store.address), GrpcStoreClient(store.address)
+    try:
+        ns_id = writer.register_namespace(NS, CHUNK)
+        keys = keys_of(70_000, 3)
+        written = writer.allocate(ns_id, keys, [CHUNK] * 3)
+        writer.commit(written.lease_id, None, [0] * 3)
+        assert engine.register_namespace(NS, CHUNK) == ns_id
+        before = store_stats(store.address, store.pid)
+        assert before is not None
+        got = engine.lookup(ns_id, keys, 30.0)  # opens the engine's session: one call
+        assert len(got.hits) == 3 and view_leases.owns(got.lease_id)
+        after = store_stats(store.address, store.pid)
+        assert after is not None and after["lookups"] == before["lookups"]
+        assert engine.release([got.lease_id]) == [LeaseStatus.OK]
+    finally:
+        engine.close()
+        writer.close()
+        store.stop()
+
+
 def test_a_store_killed_and_restarted_under_a_reading_client_is_followed(run_dir: Path) -> None:
     """SIGKILL: the store cannot retire its view, whose stale contents stay mapped. The client
     must not answer from it past the store's alive bound; once a new incarnation serves on
@@ -169,10 +193,10 @@ def test_a_store_killed_and_restarted_under_a_reading_client_is_followed(run_dir
             # a lease of the dead incarnation is not taken for a good one (the new incarnation
             # never issued it); the new one's are
             assert tier.release([held.lease_id]) == [LeaseStatus.UNKNOWN]
-            for by_engine in (False, True):  # the first gets its new session a row
-                again = tier.lookup(ns_id, keys_of(0, 2), 30.0)
-                assert len(again.hits) == 2 and view_leases.owns(again.lease_id) is by_engine
-                assert tier.release([again.lease_id]) == [LeaseStatus.OK]
+            # the new session opens with its row: even the first hit is the engine's own
+            again = tier.lookup(ns_id, keys_of(0, 2), 30.0)
+            assert len(again.hits) == 2 and view_leases.owns(again.lease_id)
+            assert tier.release([again.lease_id]) == [LeaseStatus.OK]
             assert tier.lookup(ns_id, keys_of(99_000, 2)).hits == []
             assert tier.known_miss(ns_id, keys_of(99_000, 2))  # the new view answers
         finally:

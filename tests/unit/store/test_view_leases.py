@@ -60,7 +60,7 @@ def node(store_config: StoreConfig) -> Iterator[NodeStore]:
 
 def open_session(node: NodeStore) -> int:
     """A session as an engine of the node gets it: with a row of the pin table (the store
-    grants one on its first leased lookup or allocation)."""
+    grants one as the session opens, or on its first leased lookup or allocation)."""
     opened = node.open_session()
     node.core.grant_pin_row(opened)
     return opened
