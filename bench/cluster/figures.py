@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvtier.traces.replay import ReplayResult
 
 CACHED = "vllm:prompt_tokens_cached_by_source_total"
@@ -65,6 +67,42 @@ def instance_figures(
             "hit_ratio": hit / prompt if prompt else 0.0,
         }
     return out
+
+
+# A request that hit nothing and whose prompt is at least this long: what a TTFT p90 on this
+# benchmark's ~300-token prompts is made of (shorter misses cost little either way).
+LONG_MISS_TOKENS = 200
+
+
+def _quantiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None}
+    arr = np.asarray(values)
+    return {"p50": float(np.percentile(arr, 50)), "p90": float(np.percentile(arr, 90))}
+
+
+def hit_split(results: list[ReplayResult]) -> dict[str, Any]:
+    """TTFT of the requests that hit (vLLM's ``cached_tokens`` > 0, any tier) and of the long
+    misses, and a long miss's TTFT per prompt token (its prefill beside whatever else the
+    instance ran, queueing included). Compared across configurations on one trace, the
+    per-token figure says what each configuration costs a request it cannot help."""
+    # (TTFT, prompt tokens, cached tokens) of every answered request of the trace
+    done = [
+        (r.ttft_s, r.prompt_tokens, r.cached_tokens or 0)
+        for r in results
+        if r.status == "ok" and not r.warmup and r.ttft_s is not None
+    ]
+    hits = [ttft for ttft, _, cached in done if cached]
+    misses = [(ttft, n) for ttft, n, cached in done if not cached and n >= LONG_MISS_TOKENS]
+    return {
+        "hits": {"requests": len(hits), "ttft_s": _quantiles(hits)},
+        "long_misses": {
+            "requests": len(misses),
+            "min_prompt_tokens": LONG_MISS_TOKENS,
+            "ttft_s": _quantiles([ttft for ttft, _ in misses]),
+            "ms_per_token": _quantiles([1e3 * ttft / n for ttft, n in misses]),
+        },
+    }
 
 
 STEPS = "vllm:iteration_tokens_total_count"  # one observation per engine step

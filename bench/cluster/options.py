@@ -20,8 +20,8 @@ def bench_cluster(
     configs: Annotated[
         str | None,
         typer.Option(
-            help="vllm-rr, vllm-lmetric, kvtier-hybrid, kvtier-kvtier, lmcache-lmetric "
-            "(default: all; quick: vllm-rr,vllm-lmetric,kvtier-kvtier)"
+            help="vllm-rr, vllm-lmetric, kvtier-hybrid, kvtier-kvtier, lmcache-lmetric (the "
+            "default), kvtier-rr, kvtier-offload (quick: vllm-rr,vllm-lmetric,kvtier-kvtier)"
         ),
     ] = None,
     nodes: Annotated[int, typer.Option(help="nodes (a store each)")] = 2,
@@ -89,7 +89,7 @@ def bench_cluster(
     from kvtier.testing.models import ModelInfo, make_model
 
     chosen = [c.strip() for c in configs.split(",")] if configs else None
-    chosen = chosen or list(cluster.QUICK_CONFIGS if quick else cluster.CONFIGS)
+    chosen = chosen or list(cluster.QUICK_CONFIGS if quick else cluster.DEFAULT_CONFIGS)
     unknown = [c for c in chosen if c not in cluster.CONFIGS]
     if unknown:
         raise typer.BadParameter(f"unknown configs {unknown}; choose from {list(cluster.CONFIGS)}")

@@ -73,6 +73,33 @@ def instance_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def split_rows(report: dict[str, Any]) -> list[list[str]]:
+    """TTFT of hits and of long misses, and a long miss's ms per prompt token."""
+    rows = [
+        [
+            "configuration",
+            "hits n, TTFT p50 / p90 s",
+            "long misses n, TTFT p50 / p90 s",
+            "per miss token p50 / p90 ms",
+        ]
+    ]
+    for r in report["configs"].values():
+        split = r.get("hit_split")
+        if split is None:  # a report written before the split was measured
+            continue
+        hits, misses = split["hits"], split["long_misses"]
+        rows.append(
+            [
+                r["label"],
+                f"{hits['requests']}: {_s(hits['ttft_s']['p50'])} / {_s(hits['ttft_s']['p90'])}",
+                f"{misses['requests']}: {_s(misses['ttft_s']['p50'])} / "
+                f"{_s(misses['ttft_s']['p90'])}",
+                f"{_s(misses['ms_per_token']['p50'])} / {_s(misses['ms_per_token']['p90'])}",
+            ]
+        )
+    return rows
+
+
 CPU_ROLES = ("engines", "stores", "lmcache", "index", "router", "client")
 
 
@@ -155,6 +182,15 @@ def markdown(report: dict[str, Any]) -> str:
         markdown_table(main_rows(report)),
         "TTFT by class:",
         markdown_table(class_rows(report)),
+        *(
+            [
+                "Hits and misses: TTFT of the requests that hit any tier, and of the misses of"
+                " 200 prompt tokens or more (queueing included), per prompt token too:",
+                markdown_table(split),
+            ]
+            if len(split := split_rows(report)) > 1
+            else []
+        ),
         "Per instance (requests / prefix hit ratio):",
         markdown_table(instance_rows(report)),
         "Where the time went: cores busy during the replay by role (CPU seconds / replay"

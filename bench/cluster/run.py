@@ -14,6 +14,8 @@ router), once per configuration, each on freshly started processes:
 - ``kvtier-hybrid`` / ``kvtier-kvtier``: kvtier's connector and one node store per node (DRAM
   pool, remote tier between nodes); the connector announces each engine and has the index
   follow its KV events; the router's ``hybrid`` or ``kvtier`` policy;
+- ``kvtier-rr``: the same engines and stores, the router's round-robin (what the tiers cost
+  beside other requests, apart from where the ``kvtier`` policy places them);
 - ``lmcache-lmetric``: LMCache 0.5's multiprocess server (``lmcache server``, CPU DRAM L1 the
   size of kvtier's pool) per node and ``LMCacheMPConnector`` in each engine; the index follows
   the engines' KV events as for ``vllm-lmetric`` (LMCache's DRAM is invisible to it).
@@ -48,6 +50,7 @@ from kvtier.bench.cluster.cpu_usage import CpuMeter
 from kvtier.bench.cluster.figures import (
     decision_latency,
     engine_figures,
+    hit_split,
     imbalance,
     instance_figures,
     tier_hits,
@@ -96,12 +99,18 @@ CONFIGS: dict[str, ClusterConfig] = {
         ClusterConfig("vllm-lmetric", "vLLM + lmetric", False, "lmetric", True),
         ClusterConfig("kvtier-hybrid", "kvtier + hybrid", True, "hybrid", True),
         ClusterConfig("kvtier-kvtier", "kvtier + kvtier", True, "kvtier", True),
+        # kvtier's connector and stores under round-robin: splits what kvtier's tiers cost a
+        # step (the same as kvtier-kvtier) from where the kvtier policy places requests.
+        ClusterConfig("kvtier-rr", "kvtier + round-robin", True, "round-robin", True),
         ClusterConfig(
             "kvtier-offload", "kvtier + kvtier + offload", True, "kvtier", True, offload=True
         ),
         ClusterConfig("lmcache-lmetric", "LMCache + lmetric", False, "lmetric", True, "lmcache"),
     )
 }
+# The comparison a plain run makes (docs/benchmarks-cluster.md); the others are asked for by
+# name: kvtier-rr splits the tiers' cost from routing, kvtier-offload adds selective offload.
+DEFAULT_CONFIGS = ("vllm-rr", "vllm-lmetric", "kvtier-hybrid", "kvtier-kvtier", "lmcache-lmetric")
 QUICK_CONFIGS = ("vllm-rr", "vllm-lmetric", "kvtier-kvtier")
 
 
@@ -307,6 +316,7 @@ def run_config(
         tiers=tier_hits(before, after),
         instances=instance_figures(before, after, results),
         engines=engine_figures(before, after),
+        hit_split=hit_split(results),
         router_decision=decision_latency(router_before, router_after, workdir, replay_start),
     )
     report["imbalance"] = imbalance(report["instances"])

@@ -6,6 +6,7 @@ timings: tests/engine/test_bench_cluster.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -160,6 +161,30 @@ def test_engine_steps_preemptions_and_hook_time_per_step() -> None:
     assert cluster_figures.engine_figures({"i": {}}, {"i": {}})["hook_ms_per_step"]["worker"] == 0
 
 
+def test_hits_and_long_misses_are_split() -> None:
+    def done(
+        ttft: float, prompt: int, cached: int, warmup: bool = False, status: str = "ok"
+    ) -> ReplayResult:
+        return ReplayResult(index=0, session="s", turn=1, cls="WARM", warmup=warmup,
+                            status=status, scheduled_s=0.0, ttft_s=ttft, prompt_tokens=prompt,
+                            cached_tokens=cached)  # fmt: skip
+
+    results = [
+        done(0.05, 300, 128),  # a hit
+        done(0.20, 400, 0),  # long misses: 0.5 and 1.0 ms a token
+        done(0.30, 300, 0),
+        done(0.10, 100, 0),  # a short miss: in neither group
+        done(9.0, 500, 0, warmup=True),  # warm-up and failures: left out
+        done(9.0, 500, 0, status="error"),
+    ]
+    split = cluster_figures.hit_split(results)
+    assert split["hits"] == {"requests": 1, "ttft_s": {"p50": 0.05, "p90": 0.05}}
+    misses = split["long_misses"]
+    assert misses["requests"] == 2 and misses["ttft_s"]["p50"] == pytest.approx(0.25)
+    assert misses["ms_per_token"]["p50"] == pytest.approx(0.75)
+    assert cluster_figures.hit_split([])["hits"]["ttft_s"] == {"p50": None, "p90": None}
+
+
 def test_configurations_are_wired_as_documented(tmp_path: Path) -> None:
     topo = cluster.Topology()
     rr = cluster.fleet_spec(cluster.CONFIGS["vllm-rr"], topo)
@@ -169,8 +194,12 @@ def test_configurations_are_wired_as_documented(tmp_path: Path) -> None:
     kv = cluster.fleet_spec(cluster.CONFIGS["kvtier-kvtier"], topo)
     assert (kv.kvtier, kv.kv_events, kv.policy, kv.remote) == (True, True, "kvtier", True)
     assert kv.connector_extra["min_hit_tokens"] == {"cpu": 64, "remote": 128}
+    # kvtier-rr differs from kvtier-kvtier in the routing policy alone
+    krr = cluster.fleet_spec(cluster.CONFIGS["kvtier-rr"], topo)
+    assert krr.policy == "round-robin" and dataclasses.replace(krr, policy="kvtier") == kv
     assert cluster.CONFIGS["lmcache-lmetric"].peer == "lmcache"
-    assert set(cluster.QUICK_CONFIGS) <= set(cluster.CONFIGS)
+    assert set(cluster.QUICK_CONFIGS) <= set(cluster.DEFAULT_CONFIGS) <= set(cluster.CONFIGS)
+    assert "kvtier-rr" not in cluster.DEFAULT_CONFIGS  # a diagnostic: asked for by name
     model = make_model(tmp_path / "tiny", "tiny")
     ns = Namespace(**events_namespace(model, 64))
     assert (ns.num_layers, ns.num_kv_heads, ns.head_size, ns.chunk_tokens) == (2, 2, 32, 64)
@@ -217,5 +246,13 @@ def test_report_tables_and_figure(tmp_path: Path) -> None:
         "| kvtier + kvtier | 30 | 1.50 | 0.10 | 0.05 | 1.65 | 2.0, 6.5 | 1200 | 3 | 0.25 / 1.50 |"
         in md
     )
+    assert "Hits and misses" not in md  # a report from before the split: no empty table
+    report["configs"]["kvtier-kvtier"]["hit_split"] = {
+        "hits": {"requests": 2, "ttft_s": {"p50": 0.05, "p90": 0.07}},
+        "long_misses": {"requests": 5, "ttft_s": {"p50": 0.2, "p90": 0.4},
+                        "ms_per_token": {"p50": 0.45, "p90": 0.6}},
+    }  # fmt: skip
+    md = cluster_report.markdown(report)
+    assert "| kvtier + kvtier | 2: 0.05 / 0.07 | 5: 0.20 / 0.40 | 0.45 / 0.60 |" in md
     cluster_report.plot(report, tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 10_000
