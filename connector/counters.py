@@ -132,6 +132,11 @@ class C:
         "Stages cut short by a bad or unreadable file, a full pool or the deadline",
     )
     # the remote tier
+    REMOTE_HINT_SKIPS = Counter(
+        "remote_hint_skips",
+        "Remote-tier index queries skipped: the router's word said no other node could "
+        "extend this node's run",
+    )
     REMOTE_PULLED_CHUNKS = Counter(
         "remote_pulled_chunks", "Chunks pulled from other nodes' stores into this node's"
     )

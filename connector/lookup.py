@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.connector.counters import C, Counter, stage_counters
 from kvtier.connector.fingerprint import AdapterFingerprints
 from kvtier.connector.layout import KvGeometry, ModelIdentity
+from kvtier.core import engine_hint
 from kvtier.core.chunks import ChunkLocation
 from kvtier.core.config.connector import ConnectorConfig
 from kvtier.core.errors import ErrorCode, KvtierError
@@ -261,8 +262,13 @@ class TierResolver:
             # nothing any tier holds could be a hit (no whole chunk past vLLM's own hit, or
             # less than ``min_hit_tokens``): no lookup at all, so never queued behind slow ones
             return LookupOutcome(computed, first, session_generation=self.pool.session_generation)
-        with_disk = bool(self.staging)
-        if any(tier.name != "disk" for tier in self.staging) or "cpu" not in self.config.tiers:
+        with_disk = any(tier.name == "disk" for tier in self.staging)
+        # the view speaks for the node (pool and disk); another tier must be asked, unless
+        # the router's word rules it out
+        others = [tier for tier in self.staging if tier.name != "disk"]
+        if "cpu" not in self.config.tiers or any(
+            self._may_stage(tier, state, first) for tier in others
+        ):
             return None
         if first >= state.request.num_tokens // geo.chunk_tokens or first >= INLINE_KEY_CHUNKS:
             return None
@@ -274,10 +280,29 @@ class TierResolver:
             if self.pool.known_miss(ns_id, keys, with_disk):
                 self._count(C.LOOKUPS, 1)
                 self._count(C.LOOKUPS_KNOWN_MISS, 1)
+                if others:  # known only by the router's word
+                    self._count(C.REMOTE_HINT_SKIPS, 1)
                 self._count(C.LOOKUP_TOKENS, state.request.num_tokens - computed)
                 generation = self.pool.session_generation
                 return LookupOutcome(computed, first, session_generation=generation)
         return None
+
+    def _may_stage(self, tier: Any, state: RequestState, from_chunk: int) -> bool:
+        """Whether asking ``tier`` for the run after chunk ``from_chunk`` could give a hit.
+        False for the remote tier when the router's word (``kvtier.core.engine_hint``, fresh
+        enough) says no other node holds ``min_hit_tokens["remote"]`` (a chunk at least)
+        past it: its index query is skipped, and a local miss is then known without a
+        lookup thread (answered in the step, not a step later)."""
+        max_age = self.config.router_hint_max_age_s
+        if tier.name != "remote" or max_age <= 0:
+            return True
+        request = state.request
+        elsewhere = engine_hint.elsewhere_tokens(request.kv_transfer_params)
+        if elsewhere is None or time.time() - request.arrival_time > max_age:
+            return True
+        chunk = self.geometry.chunk_tokens
+        worth = max(chunk, self.config.min_hit_tokens.get("remote", 0))
+        return elsewhere >= from_chunk * chunk + worth
 
     def _hit_cap(self, request: Request) -> int:
         """Where any hit of ``request`` ends at the latest: its last whole chunk, and before
@@ -309,6 +334,9 @@ class TierResolver:
             run = self._lookup_pool(ns_ids, keys, outcome)
             runs.append((self.pool.name, run))
             for tier in self.staging:
+                if not self._may_stage(tier, state, first + run):
+                    self._count(C.REMOTE_HINT_SKIPS, 1)
+                    break
                 more = self._stage_rounds(tier, ns_ids, keys, run, outcome)
                 if not more:
                     break

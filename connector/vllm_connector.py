@@ -154,6 +154,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             or events.publisher != "zmq"
         ):
             return None
+        from kvtier.core import engine_hint
         from kvtier.core.rpc import ClientAuth
         from kvtier.index.api import LocationKind, Registration
         from kvtier.index.client.announce import Announcer
@@ -162,7 +163,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             host = self.config.instance_host
             return endpoint.replace("*", host).replace("0.0.0.0", host)
 
-        endpoints = {"events": reachable(events.endpoint), "topic": events.topic}
+        endpoints = {
+            "events": reachable(events.endpoint),
+            "topic": events.topic,
+            engine_hint.READER_ENDPOINT: engine_hint.READER,  # it reads the router's word
+        }
         if self.config.instance_api:  # routers find the instance through the index
             endpoints["api"] = self.config.instance_api
         if events.replay_endpoint:

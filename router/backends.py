@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from kvtier.core import engine_hint
 from kvtier.core.config.router import RouterConfig
 from kvtier.index.api import ChunkIndex, LocationKind, LocationStatus
 from kvtier.router.discovery import DiscoveryPolicy
@@ -38,6 +39,7 @@ class Backend:
     node: str = ""
     namespace: bytes | None = None  # rank 0's namespace id (what the index answers about)
     static: bool = False
+    reads_hint: bool = False  # its connector reads the router's word (kvtier.core.engine_hint)
     # the router's own accounting
     pending_prefill_tokens: float = 0.0
     in_flight: int = 0
@@ -110,35 +112,39 @@ class Backends:
         except Exception as exc:
             log.warning("router: index unreachable, keeping %d backends: %s", len(self), exc)
             return
-        announced: dict[str, tuple[str, str, bytes | None]] = {}
+        announced: dict[str, tuple[str, str, bytes | None, bool]] = {}
         for info in infos:
             reg = info.registration
             if reg.kind is not LocationKind.INSTANCE or info.status is not LocationStatus.UP:
                 continue
             namespace = reg.namespaces[0] if reg.namespaces else None
-            announced[reg.location] = (reg.endpoints.get("api", ""), reg.node, namespace)
+            reads = reg.endpoints.get(engine_hint.READER_ENDPOINT) == engine_hint.READER
+            announced[reg.location] = (reg.endpoints.get("api", ""), reg.node, namespace, reads)
         with self._lock:
             static = {n for n, b in self._by_name.items() if b.static}
         # decided outside the lock (a refusal logs); listed instances keep their own URL
         admitted = {
             name
-            for name, (url, _, _) in announced.items()
+            for name, (url, _, _, _) in announced.items()
             if name not in static
             and url
             and self.config.discover
             and self.discovery.check(name, url.rstrip("/"))
         }
         with self._lock:
-            for name, (url, node, namespace) in announced.items():
+            for name, (url, node, namespace, reads) in announced.items():
                 backend = self._by_name.get(name)
                 if backend is not None and (backend.static or name in admitted):
                     # listed by hand, or known: learn its KV identity (and a moved URL)
                     backend.namespace, backend.node = namespace, node or backend.node
+                    backend.reads_hint = reads
                     if not backend.static and backend.url != url.rstrip("/"):
                         log.info("router: instance %s moved to %s", name, url)
                         backend.url = url.rstrip("/")
                 elif name in admitted:
-                    self._by_name[name] = Backend(name, url.rstrip("/"), node, namespace)
+                    self._by_name[name] = Backend(
+                        name, url.rstrip("/"), node, namespace, reads_hint=reads
+                    )
                     log.info("router: instance %s at %s joined", name, url)
             for name in [n for n, b in self._by_name.items() if not b.static]:
                 if name not in admitted:

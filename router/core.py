@@ -56,6 +56,11 @@ class Routed:
     predicted_cached: int  # tokens the chosen instance holds on GPU or its node (coverage.dram)
     seconds: float  # the decision's own time (index query + scoring)
     by_tier: dict[str, int] = field(default_factory=dict)
+    # The longest DRAM run of the prompt on a node other than the chosen instance's, in
+    # tokens, as the index answered for this decision; None where the index did not answer.
+    # Told to the instance (``engine_hint``): its connector skips its own index query when
+    # no other node could extend what its node holds.
+    elsewhere_tokens: int | None = None
 
 
 class Speculative:
@@ -155,7 +160,7 @@ class RoutingCore:
             backends = [b for b in backends if b.name in subset or _hostport(b.url) in subset]
             if not backends:
                 raise NoBackend(False, "no healthy instance in the requested subset")
-        coverage, keys_of = self._coverage(backends, token_ids, session)
+        coverage, keys_of, elsewhere = self._coverage(backends, token_ids, session)
         request = RouteRequest(prompt_tokens, session, _spread_key(token_ids))
         with self._policy_lock:  # loads read, choice made and (dispatch) counted as one
             candidates = [
@@ -179,20 +184,24 @@ class RoutingCore:
             predicted_cached=min(cov.dram, prompt_tokens),
             seconds=time.perf_counter() - start,
             by_tier={"gpu": cov.gpu, "dram": cov.dram - cov.gpu, "remote": cov.remote - cov.dram},
+            elsewhere_tokens=elsewhere.get(chosen.name),
         )
 
     # -- coverage ----------------------------------------------------------------------------
 
     def _coverage(
         self, backends: Sequence[Backend], token_ids: Sequence[int] | None, session: str | None
-    ) -> tuple[dict[str, Coverage], dict[bytes, list[bytes]]]:
+    ) -> tuple[dict[str, Coverage], dict[bytes, list[bytes]], dict[str, int]]:
+        """Each backend's coverage; the prompt's chunk keys by namespace; and, for backends
+        whose namespace the index answered for, the best DRAM run on another node (tokens)."""
         out: dict[str, Coverage] = {}
         keys_of: dict[bytes, list[bytes]] = {}
+        elsewhere: dict[str, int] = {}
         if token_ids is None or self.index is None:
-            return out, keys_of
+            return out, keys_of, elsewhere
         namespaces = sorted({b.namespace for b in backends if b.namespace is not None})
         if not namespaces:
-            return out, keys_of
+            return out, keys_of, elsewhere
         for ns in namespaces:
             namespace = self._namespace(ns)
             if namespace is not None:  # keys here: 16 bytes a chunk on the wire, not 4 a token
@@ -213,6 +222,12 @@ class RoutingCore:
             chunk = chunks[b.namespace]
             runs = by_ns.get(b.namespace)
             gpu, dram, remote, disk = runs.of(b) if runs is not None else (0, 0, 0, 0)
+            n = len(token_ids)
+            if runs is not None and remote < n // chunk:
+                # A run ends at the first chunk its node lacks: one that ends before the
+                # keys asked about is the whole run there. One that reaches their end (a
+                # prompt routed by its last turn) may go on: no word then.
+                elsewhere[b.name] = remote * chunk
             keys = keys_of.get(b.namespace)
             if keys:
                 gpu = max(gpu, self.speculative.leading(keys, b.name))
@@ -220,14 +235,13 @@ class RoutingCore:
             dram = max(dram, gpu)
             disk = disk if disk > dram else 0
             remote = max(remote, dram, disk)
-            n = len(token_ids)
             out[b.name] = Coverage(
                 min(gpu * chunk, n),
                 min(dram * chunk, n),
                 min(remote * chunk, n),
                 min(disk * chunk, n),
             )
-        return out, keys_of
+        return out, keys_of, elsewhere
 
     def node_run(self, backend: Backend, token_ids: Sequence[int]) -> int:
         """Leading chunks of the prompt that ``backend``'s node pool holds, per the index

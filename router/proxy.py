@@ -1,5 +1,5 @@
-"""The OpenAI-compatible front door: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, plus ``/healthz``, ``/readyz``, ``/metrics``.
+"""The OpenAI-compatible front door's requests: ``/v1/completions``, ``/v1/chat/completions``
+and ``/v1/models`` (the routes, with ``/healthz``, ``/readyz`` and ``/metrics``: ``http.py``).
 
 A request is parsed and checked once (``requests.py``: 400 on a bad body, large ones off the
 event loop), tokenized once (``tokenize.py``), routed (``core.py``) and forwarded with its
@@ -29,11 +29,9 @@ from typing import Any, TypeVar
 
 import aiohttp
 import httpx
-from fastapi import FastAPI, Request, Response
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvtier import __version__
 from kvtier.core.auth import Authenticator, Permission, bearer
 from kvtier.core.config.router import RouterConfig
 from kvtier.core.errors import KvtierError
@@ -49,6 +47,7 @@ from kvtier.router.requests import (
     BadRequest,
     check_token_ids,
     parse_body,
+    with_engine_hint,
 )
 from kvtier.router.tokenize import PromptTokenizer
 from kvtier.router.upstream import UpstreamClients
@@ -236,17 +235,25 @@ class Proxy:
             backend = routed.backend  # counted as its load by route (dispatch)
             try:
                 self._count_decision(routed, attempt)
+                offloaded = False
                 if attempt == 0 and self.offload is not None and ids is not None:
-                    await self._maybe_offload(routed, path, forward, headers, ids, tried)
+                    offloaded = await self._maybe_offload(
+                        routed, path, forward, headers, ids, tried
+                    )
             except BaseException:  # cancelled (the client left) or failed: uncount it
                 self.backends.finished(backend, prompt_tokens, got_first_token=False)
                 raise
             session = self.upstream.forwarder(backend.url)
+            # the index's answer for this decision goes with the request (no word after an
+            # offloaded prefill: its chunks are on the helper's node, which the answer predates)
+            worded = self.config.engine_hints and backend.reads_hint and not offloaded
+            hint = routed.elsewhere_tokens if worded else None
+            sent = with_engine_hint(content, forward, hint)
             try:
                 # a non-streamed answer's headers come with its end: until then, the client
                 # leaving must cancel the request (closing the upstream connection)
                 upstream = await _unless_gone(
-                    request, session.post(f"{backend.url}{path}", data=content, headers=headers)
+                    request, session.post(f"{backend.url}{path}", data=sent, headers=headers)
                 )
             except ClientGone:
                 self.backends.finished(backend, prompt_tokens, got_first_token=False)
@@ -285,21 +292,21 @@ class Proxy:
         headers: dict[str, str],
         ids: list[int],
         tried: set[str],
-    ) -> None:
+    ) -> bool:
         """Prefill on a helper when the cost model says so (``offload.py``); whatever
         happens there, the request then goes to its own instance, which loads what arrived
-        and computes the rest."""
+        and computes the rest. True: a helper was asked to prefill."""
         assert self.offload is not None
         try:
             candidates = self.backends.routable(frozenset(tried))
         except NoBackend:
-            return
+            return False
         choice = self.offload.choose(routed, candidates)
         if choice is None:
-            return
+            return False
         if not self.offload.begin():
             self.metrics.offloads.labels("busy").inc()
-            return
+            return False
         helper, tokens = choice.helper, routed.prompt_tokens
         outcome = "failed"
         self.backends.dispatched(helper, tokens)
@@ -328,6 +335,7 @@ class Proxy:
                 "cost_offload": round(choice.offload_tokens),
             },
         )
+        return True
 
     async def _settled(self, helper: Backend, ids: list[int]) -> str:
         """Wait (``offload_settle_s`` at most) for the index to show the helper's chunks in
@@ -490,44 +498,6 @@ async def _disconnect(request: Request) -> None:
 
 def _encode(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
-
-
-def build_app(proxy: Proxy) -> FastAPI:
-    app = FastAPI(title="kvtier router", version=__version__)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return proxy.refused(request) or await proxy.models()
-
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    def readyz() -> Response:
-        # A degraded index leaves the router ready: it still routes (by load). 503 would take
-        # every replica out of its load balancer at once for an index fault: an outage.
-        index = proxy.core.index_state()
-        try:
-            n = len(proxy.backends.routable())
-        except NoBackend as exc:
-            body = {"status": "not ready", "reason": str(exc), **index}
-            return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ready", "backends": n, **index})
-
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def _counted(

@@ -22,6 +22,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.core import engine_hint
+
 TOKEN_ID_LIMIT = 1 << 32  # ids are uint32 in chunk keys and on the index's wire
 INLINE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop (< 1 ms)
 PARSE_SLOTS = 2  # larger bodies parsed at once (each on a worker thread)
@@ -91,3 +93,26 @@ def check_token_ids(ids: Sequence[Any], where: str) -> list[int]:
                 f"0..{TOKEN_ID_LIMIT - 1})"
             )
     return list(ids)
+
+
+def with_engine_hint(content: bytes, body: dict[str, Any], elsewhere_tokens: int | None) -> bytes:
+    """``content`` (the encoded ``body``) carrying the router's word for the instance
+    (``kvtier.core.engine_hint``) in ``kv_transfer_params``, replacing any a client wrote
+    under that key; ``content`` itself when there is no word and nothing to replace.
+
+    A body without ``kv_transfer_params`` (every client but a disaggregating one) gets the
+    field appended to its bytes: no second encoding of a prompt that may be megabytes."""
+    params = body.get("kv_transfer_params")
+    if elsewhere_tokens is None and not (isinstance(params, dict) and engine_hint.PARAM in params):
+        return content
+    word = None if elsewhere_tokens is None else engine_hint.hint(elsewhere_tokens)
+    end = content.rstrip()
+    appendable = "kv_transfer_params" not in body and end.endswith(b"}") and len(body) > 0
+    if appendable and word is not None:
+        field = json.dumps({"kv_transfer_params": {engine_hint.PARAM: word}})[1:-1]
+        return end[:-1] + b", " + field.encode() + b"}"
+    merged = dict(params) if isinstance(params, dict) else {}
+    merged.pop(engine_hint.PARAM, None)
+    if word is not None:
+        merged[engine_hint.PARAM] = word
+    return json.dumps({**body, "kv_transfer_params": merged}).encode()

@@ -38,10 +38,11 @@ from kvtier.router.backends import Backend, Backends
 from kvtier.router.core import RoutingCore
 from kvtier.router.discovery import DiscoveryPolicy, is_anonymous
 from kvtier.router.engine_load import engine_load
+from kvtier.router.http import build_app
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.peers import PeerShares, replica_name
 from kvtier.router.policies import Policy, TierCosts, make_policy
-from kvtier.router.proxy import Proxy, build_app, error_body
+from kvtier.router.proxy import Proxy, error_body
 from kvtier.router.tokenize import PromptTokenizer
 from kvtier.router.upstream import UpstreamClients
 

@@ -95,6 +95,14 @@ class ConnectorConfig(Section):
         description="a lookup still pending this long after it started answers 'no hit' "
         "(the request recomputes) instead of 'ask again'",
     )
+    router_hint_max_age_s: float = Field(
+        2.0,
+        ge=0,
+        description="take the router's word on other nodes' runs of a prompt "
+        "(kvtier.core.engine_hint) if the request arrived at most this long ago, and skip "
+        "the remote tier's index query when no other node could extend this node's run; "
+        "0: always ask the index",
+    )
     save_wait_s: float | None = Field(
         None,
         ge=0,

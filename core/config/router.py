@@ -153,6 +153,13 @@ class RouterConfig(Section):
         "that turn's token ids and an estimated length, and tokenized after routing (off the "
         "request's path); false: tokenize every turn before routing",
     )
+    engine_hints: bool = Field(
+        True,
+        description="tell the chosen instance, in the request's kv_transfer_params, the "
+        "longest run of its prompt on another node as the index answered the decision: its "
+        "connector then skips its own index query when no other node could extend its "
+        "node's run (kvtier.core.engine_hint)",
+    )
     refresh_s: float = Field(2.0, gt=0, description="re-read backends from the index this often")
     scrape_s: float = Field(1.0, gt=0, description="scrape each instance's /metrics this often")
     probe_s: float = Field(5.0, gt=0, description="active health probe (a 1-token completion)")

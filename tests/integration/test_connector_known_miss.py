@@ -174,3 +174,65 @@ def _wait_for(condition, timeout_s: float = 20) -> None:
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_miss_the_routers_word_rules_out_elsewhere_needs_no_index_query(
+    store: StoreProcess,
+) -> None:
+    """With the remote tier, a miss in the node's pool still asked the index (on a lookup
+    thread: vLLM asks again a step later) whether another node holds the prompt. The
+    router's word (``kvtier.core.engine_hint``: the best run on another node, as the index
+    answered its decision) makes that query needless when no other node could extend the
+    node's run: the miss is then answered in the first call. A word that leaves room for a
+    remote hit, an old one, or none: the index is asked as before."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvtier.core.config.index import IndexConfig
+    from kvtier.index.client import connect as connect_index
+    from kvtier.tiers.remote import RemoteTier
+
+    index = connect_index(IndexConfig())
+    queries: list[int] = []
+    real_query = index.query_one
+    index.query_one = lambda query: queries.append(1) or real_query(query)  # type: ignore[method-assign]
+    pool = connect(StoreConfig(address=store.address))
+    config = CONFIG.model_copy(
+        update={"tiers": ["cpu", "remote"], "min_hit_tokens": {"cpu": CHUNK, "remote": 2 * CHUNK}}
+    )
+    scheduler = ConnectorScheduler(
+        config, GEOMETRY, IDENTITY, Tiers(pool, [RemoteTier(index, pool, 5.0)])
+    )
+    scheduler.bind_blocks(lambda req_id: (list(range(1, 65)),), 0, lambda blocks: None)
+
+    def request(req_id: str, first: int, elsewhere: int | None, age_s: float = 0.0) -> Request:
+        extra = None if elsewhere is None else {"kv_transfer_params": {"kvtier": {
+            "elsewhere_tokens": elsewhere}}}  # fmt: skip
+        params = SamplingParams(max_tokens=1, extra_args=extra)
+        tokens = list(range(first, first + 4 * CHUNK + 1))
+        return Request(req_id, tokens, params, None, arrival_time=time.time() - age_s)
+
+    try:
+        _answer(scheduler, request("first", 9000, None))  # registers the namespace
+        scheduler.take_stats()
+        asked_before = len(queries)
+        # no other node holds 2 chunks (min_hit_tokens["remote"]): answered at once
+        assert _answer(scheduler, request("vouched", 100, CHUNK)) == ((0, False), 1)
+        stats = scheduler.take_stats()
+        assert stats.get("remote_hint_skips") == 1 and stats.get("lookups_known_miss") == 1
+        assert len(queries) == asked_before  # not asked
+        cases = (
+            ("no-word", None, 0.0),
+            ("held-elsewhere", 3 * CHUNK, 0.0),  # a remote hit is possible: ask
+            ("old-word", CHUNK, 30.0),  # past router_hint_max_age_s
+        )
+        for n, (req_id, elsewhere, age_s) in enumerate(cases):
+            asked = len(queries)
+            hit, _ = _answer(scheduler, request(req_id, 2000 + 300 * n, elsewhere, age_s))
+            assert hit == (0, False), req_id  # nothing anywhere: a miss either way
+            assert len(queries) == asked + 1, req_id
+        assert scheduler.take_stats().get("remote_hint_skips", 0) == 0
+    finally:
+        scheduler.shutdown()
+        pool.close()
+        index.close()

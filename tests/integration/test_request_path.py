@@ -89,9 +89,6 @@ GRPC_CLIENT = [
     "store/client/view_leases.py",
 ]
 GRPC_SERVER = ["store/client/wire.py", "store/server/grpc.py"]  # a fetch, a peer's lease
-# an engine session's first leased lookup, before the store granted it a row of the lease
-# region: on the control socket (the remote hit's engine has not leased anything before)
-CONTROL = ["store/client/control.py", "store/client/wire.py"]
 
 DRAM_EMBEDDED = {
     "engine": sorted([*ENGINE, "store/node.py", *STATE_MACHINE]),
@@ -106,7 +103,7 @@ REMOTE = {
         [
             *ENGINE,
             *GRPC_CLIENT,
-            *CONTROL,
+            "store/client/wire.py",  # the fetch's answer
             "index/api.py",
             "index/client/grpc.py",
             "index/client/wire.py",
@@ -114,15 +111,16 @@ REMOTE = {
             "tiers/remote.py",
         ]
     ),
-    "engine (plumbing)": ["core/chunks.py", "core/keys.py"],
+    "engine (plumbing)": ["core/chunks.py", "core/engine_hint.py", "core/keys.py"],
     "holder": sorted([*GRPC_SERVER, *STATE_MACHINE, "store/remote/fetch.py"]),
     "holder (plumbing)": ["core/auth.py", "core/keys.py", "core/rpc.py"],
     "store": sorted(
         [
             *GRPC_SERVER,
             *STATE_MACHINE,
-            "store/server/control.py",  # the engine's first leased lookup
-            "store/client/pin_table.py",  # the row it is granted then
+            # the engine's session, opened by its first leased lookup, with its row of the
+            # lease region: the lookup itself is then answered on the engine's side
+            "store/client/pin_table.py",
             "store/client/view_leases.py",  # the pulled chunks in the lease region's map
             "store/shared_view.py",  # the pulled chunks' records for the lease region's map
             "store/client/grpc.py",

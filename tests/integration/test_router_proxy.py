@@ -15,6 +15,7 @@ from kvtier.core.auth import Authenticator
 from kvtier.core.config.auth import AuthConfig
 from kvtier.core.config.router import RouterConfig
 from kvtier.core.http import HttpServer
+from kvtier.index.api import ChunkIndex
 from kvtier.router.proxy import Proxy
 from kvtier.router.service import build
 
@@ -40,14 +41,19 @@ class Rig:
         return total
 
 
-def start(stubs: list[StubBackend], auth: AuthConfig | None = None, **settings: object) -> Rig:
+def start(
+    stubs: list[StubBackend],
+    auth: AuthConfig | None = None,
+    index: ChunkIndex | None = None,
+    **settings: object,
+) -> Rig:
     config = RouterConfig(
         backends=[{"url": s.url, "name": s.name} for s in stubs],  # type: ignore[misc]
         policy=str(settings.pop("policy", "least-load")),
         **settings,  # type: ignore[arg-type]
     )
     authenticator = Authenticator(auth) if auth is not None else None
-    app, proxy = build(config, index=None, probes=False, authenticator=authenticator)
+    app, proxy = build(config, index=index, probes=False, authenticator=authenticator)
     server = HttpServer(app, "127.0.0.1", 0)
     port = server.start()
     return Rig(server, f"http://127.0.0.1:{port}", proxy, stubs)
@@ -224,3 +230,44 @@ def test_remote_tokenize_fallback_and_models(rig: Rig) -> None:
     )
     assert resp.status_code == 200
     assert httpx.get(f"{rig.url}/v1/models").json()["data"][0]["id"] == "stub"
+
+
+def test_the_chosen_instance_gets_the_routers_word_on_other_nodes() -> None:
+    """An instance whose connector reads it (announced so) gets, in ``kv_transfer_params``,
+    the best run of its prompt on another node as the index answered the decision; one
+    without (plain vLLM, which warns on every request carrying such params) gets the body
+    as sent (kvtier.core.engine_hint)."""
+    from kvtier.core import engine_hint
+    from kvtier.core.chunks import Tier
+    from kvtier.core.keys import Namespace, prompt_keys
+    from kvtier.index.api import ChunkOp, LocationKind, Registration
+    from kvtier.index.backends.memory import MemoryIndex
+    from kvtier.store.api.events import EventKind
+
+    ns = Namespace(model="m", dtype="bf16", num_layers=1, num_kv_heads=1, head_size=8)
+    prompt = list(range(3, 3 + ns.chunk_tokens * 4 + 5))
+    index = MemoryIndex()
+    ns_id = index.register_namespace(ns)
+    reader = {engine_hint.READER_ENDPOINT: engine_hint.READER}
+    for name, node, endpoints in (("a", "n0", reader), ("b", "n1", {})):
+        index.register(
+            Registration(name, LocationKind.INSTANCE, (ns_id,), node=node, endpoints=endpoints)
+        )
+    for node in ("n0", "n1"):
+        index.register(Registration(node, LocationKind.NODE, (ns_id,)))
+    held = tuple(prompt_keys(ns, prompt)[:2])
+    index.apply("n1", [ChunkOp(EventKind.STORED, Tier.CPU, ns_id, held)])
+    stubs = [StubBackend("a"), StubBackend("b")]
+    rig = start(stubs, index=index, policy="round-robin")
+    try:
+        body = {"model": "stub", "prompt": prompt, "max_tokens": 1}
+        for _ in range(2):  # round-robin: one to each
+            assert rig.post("/v1/completions", body).status_code == 200
+        a, b = (s.state.received for s in stubs)
+        word = {"kvtier": {"elsewhere_tokens": 2 * ns.chunk_tokens}}
+        assert a == [{**body, "kv_transfer_params": word}]
+        assert b == [body]
+    finally:
+        rig.router.stop()
+        for s in stubs:
+            s.stop()
