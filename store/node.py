@@ -351,7 +351,7 @@ class NodeStore(StoreClient, StoreAdmin):
             self._checksum_wake.wait(0.5)
             self._checksum_wake.clear()
             while not self._closed.is_set():
-                batch = self.core.take_unsummed()
+                batch = self.core.upkeep.take_unsummed()
                 if not batch:
                     break
                 done = []
@@ -360,7 +360,7 @@ class NodeStore(StoreClient, StoreAdmin):
                         done.append((entry, checksum_views(self.segment.views(location.extents))))
                     except ValueError:  # segment unmapped under us: shutting down
                         done.append((entry, 0))
-                self.core.finish_checksums(done)
+                self.core.upkeep.finish_checksums(done)
 
     @property
     def closed(self) -> bool:

@@ -95,7 +95,7 @@ class SharedView:
             self._lock_fd = os.open(SHM_DIR / segment.name, os.O_RDONLY)
             self.pins = PinTable(region, self._lock_fd)
             core.attach_view_pins(self.pins)
-            core.on_checksums = self._checksummed
+            core.upkeep.on_checksums = self._checksummed
         core.events.observer = follow_events(self.writer, self._record)
 
     @staticmethod

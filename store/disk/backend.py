@@ -125,7 +125,7 @@ class DiskBackend:
         self._readers = ThreadPoolExecutor(config.read_threads, thread_name_prefix="kvtier-disk")
         self.scan: ScanReport = self.catalog.scan()
         # lock order: the store's, then the catalog's (never the other way round)
-        core.prefer_evicting(lambda ns_id, key: (ns_id, key) in self.catalog)
+        core.upkeep.prefer_evicting(lambda ns_id, key: (ns_id, key) in self.catalog)
         log.info(
             "disk tier at %s: %d chunks (%d bytes) found in %.2fs; removed %d partial, %d bad",
             self.root,
@@ -171,7 +171,7 @@ class DiskBackend:
             limit = min(
                 int(self.config.max_batch_bytes), int(capacity * self.config.max_pool_share)
             )
-            batch = self.core.pin_coldest(window, limit, self._skip)
+            batch = self.core.upkeep.pin_coldest(window, limit, self._skip)
             self.spill_queue = len(batch)
             if not batch:
                 return SpillRound(0, 0, "nothing to copy")
@@ -179,7 +179,7 @@ class DiskBackend:
             try:
                 written = self._write(batch)
             finally:
-                self.core.unpin([entry for entry, _ in batch])
+                self.core.upkeep.unpin([entry for entry, _ in batch])
             evicted: list[DiskEntry] = []
             for entry in written:
                 evicted += self.catalog.add(entry)
@@ -286,7 +286,7 @@ class DiskBackend:
             if entries:
                 status, message, fetched, moved = self._stage(ns_id, entries, deadline)
         finally:
-            self.core.unpin(pinned)
+            self.core.upkeep.unpin(pinned)
         present = self.core.committed_mask(ns_id, keys)
         local = next((i for i, p in enumerate(present) if not p), len(keys))
         if local < len(keys) and status is FetchStatus.OK:

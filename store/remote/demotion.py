@@ -84,7 +84,7 @@ class Demoter:
             if not excess:
                 return DemotionRound("", 0, 0, "below the high watermark")
             budget = min(excess, int(self.demotion.max_batch_bytes))
-            candidates = self.core.coldest(budget)
+            candidates = self.core.upkeep.coldest(budget)
             if not candidates:
                 return DemotionRound("", 0, 0, "nothing evictable to demote")
             want = sum(size for _, _, size in candidates)

@@ -109,15 +109,15 @@ class Fetcher:
         result = self.core.lookup(ns_id, keys, ttl, session=session)
         if not result.lease_id:
             return result
-        entries = self.core.read_lease_entries(result.lease_id)
+        entries = self.core.upkeep.read_lease_entries(result.lease_id)
         missing = [e for e in entries if not e.checksum]
         if missing:
             computed = []
             for entry in missing:
-                views = self.segment.views(self.core.location_of(entry).extents)
+                views = self.segment.views(self.core.upkeep.location_of(entry).extents)
                 computed.append((entry, checksum_views(views)))
-            self.core.record_checksums(computed)
-        hits = [self.core.location_of(e) for e in entries]
+            self.core.upkeep.record_checksums(computed)
+        hits = [self.core.upkeep.location_of(e) for e in entries]
         with self._lock:
             self.counters["served_leases"] += 1
             self.counters["served_chunks"] += len(hits)
@@ -158,7 +158,7 @@ class Fetcher:
             except _Stop as stop:  # nothing was allocated: every key gets the one reason
                 reasons = dict.fromkeys(range(len(keys)), (stop.status, stop.message))
             finally:
-                self.core.unpin(pinned)
+                self.core.upkeep.unpin(pinned)
         present = self.core.committed_mask(ns_id, keys)
         local = next((i for i, p in enumerate(present) if not p), len(keys))
         if local == len(keys):

@@ -32,7 +32,9 @@ every operation reads as calls on them: ``pages`` (``PageBook``: the chunk table
 allocator, eviction, page counts), ``tenants`` (quotas and floors), ``namespaces``, ``leases``
 (``LeaseTable``: TTLs, lifetimes, what ending one undoes), ``sessions``, ``checksums`` (chunks
 committed without one), ``events`` (the event log), ``limits`` (per-request bounds) and the
-``counters``. What must always hold across them is ``check_invariants``.
+``counters``. What must always hold across them is ``check_invariants``. What the store's own
+workers do to chunks outside any request (checksums, demotion) is ``upkeep``
+(``kvtier.store.state.upkeep``), on the same components under the same lock.
 
 Threading: every public method takes the store's lock; call from any thread.
 """
@@ -43,9 +45,8 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import cast
 
-from kvtier.core.chunks import ChunkLocation, LookupStatus
+from kvtier.core.chunks import LookupStatus
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace, check_keys
 from kvtier.store.api.events import EventKind, StoreEvent
@@ -59,6 +60,7 @@ from kvtier.store.state.namespaces import NamespaceTable
 from kvtier.store.state.pages import PageBook
 from kvtier.store.state.quotas import TenantBook
 from kvtier.store.state.sessions import SessionTable
+from kvtier.store.state.upkeep import PoolUpkeep
 from kvtier.store.state.view_pins import ViewPins
 
 
@@ -108,8 +110,7 @@ class StoreCore:
         self.sessions = SessionTable(limits.session_timeout_s, limits.max_sessions)
         self.checksums = ChecksumQueue(self.pages)
         self.events = EventLog(node_id=node_id, epoch=epoch, capacity=event_buffer)
-        # chunks whose checksum was computed after their commit (the view's map follows)
-        self.on_checksums: Callable[[list[ChunkEntry]], None] | None = None
+        self.upkeep = PoolUpkeep(self._lock, self.pages, self.checksums, self.leases)
 
     def attach_view_pins(self, pins: ViewPins) -> None:
         """Honour the engines' own read leases from now on (``kvtier.store.state.view_pins``):
@@ -244,7 +245,7 @@ class StoreCore:
         self, ns_id: bytes, keys: Sequence[bytes]
     ) -> tuple[list[bool], list[ChunkEntry]]:
         """``committed_mask``, with every committed chunk among ``keys`` pinned (not counted
-        as a use) until ``unpin``: a stage that allocates the missing chunks of a run cannot
+        as a use) until ``upkeep.unpin``: a stage that allocates the missing chunks of a run cannot
         then evict the run's own chunks already here, the coldest ones and, with the disk
         tier, clean ones (``prefer_evicting``): eviction's first choice."""
         self.limits.check_batch(len(keys))
@@ -477,92 +478,6 @@ class StoreCore:
             self.counters["clears"] += 1
             self.events.append([StoreEvent(EventKind.CLEARED)])
             return len(entries)
-
-    # -- checksums (``kvtier.store.state.checksums``) -----------------------------------------
-
-    def take_unsummed(self, limit: int = 64) -> list[tuple[ChunkEntry, ChunkLocation]]:
-        """Pin up to ``limit`` committed chunks that still lack a checksum."""
-        with self._lock:
-            return self.checksums.take(limit)
-
-    def unsummed_count(self) -> int:
-        with self._lock:
-            return len(self.checksums)
-
-    def finish_checksums(self, done: list[tuple[ChunkEntry, int]]) -> None:
-        """Record checksums computed for ``take_unsummed``'s chunks and unpin them."""
-        with self._lock:
-            self.checksums.finish(done)
-            if self.on_checksums is not None:
-                self.on_checksums([entry for entry, _ in done])
-
-    def read_lease_entries(self, lease_id: int) -> list[ChunkEntry]:
-        """The chunks pinned by a read lease, in lookup order (to checksum them in place)."""
-        with self._lock:
-            return list(self.leases.require(lease_id, LeaseKind.READ).entries)
-
-    def record_checksums(self, done: list[tuple[ChunkEntry, int]]) -> None:
-        """Record checksums computed for pinned chunks (e.g. of a read lease)."""
-        with self._lock:
-            self.checksums.record(done)
-            if self.on_checksums is not None:
-                self.on_checksums([entry for entry, _ in done])
-
-    def location_of(self, entry: ChunkEntry) -> ChunkLocation:
-        with self._lock:
-            return self.pages.location(entry)
-
-    # -- demotion ----------------------------------------------------------------------------
-
-    def coldest(self, max_bytes: int) -> list[tuple[bytes, bytes, int]]:
-        """Up to ``max_bytes`` of unpinned committed chunks, coldest first, as (namespace id,
-        key, size): what eviction would take next. Nothing is changed."""
-        out: list[tuple[bytes, bytes, int]] = []
-        with self._lock:
-            total = 0
-            for key in self.pages.policy.coldest(self.pages.unpinned):
-                entry = self.pages.table[cast(bytes, key)]
-                if total + entry.pages * self.page_size > max_bytes:
-                    break
-                total += entry.pages * self.page_size
-                out.append((entry.namespace, entry.key, entry.size))
-        return out
-
-    def pin_coldest(
-        self, window_bytes: int, max_bytes: int, skip: Callable[[bytes, bytes], bool]
-    ) -> list[tuple[ChunkEntry, ChunkLocation]]:
-        """Pin up to ``max_bytes`` of chunks (one at least) among the coldest
-        ``window_bytes`` of unpinned committed ones (what eviction takes next) for which
-        ``skip(namespace id, key)`` is false, without counting it as a use: the disk tier
-        copies them, ``unpin`` ends it. ``skip`` runs under the store's lock."""
-        out: list[tuple[ChunkEntry, ChunkLocation]] = []
-        with self._lock:
-            seen = taken = 0
-            for key in self.pages.policy.coldest(self.pages.unpinned):
-                entry = self.pages.table[cast(bytes, key)]
-                seen += entry.size
-                if seen > window_bytes or (out and taken + entry.size > max_bytes):
-                    break
-                if skip(entry.namespace, entry.key):
-                    continue
-                taken += entry.size
-                out.append((entry, self.pages.location(entry)))
-            for entry, _ in out:
-                self.pages.pin(entry)
-        return out
-
-    def prefer_evicting(self, on_disk: Callable[[bytes, bytes], bool]) -> None:
-        """Eviction takes a chunk ``on_disk(namespace id, key)`` says has a copy before a
-        colder one without (``PageBook._clean_victim``); called under the store's lock."""
-        with self._lock:
-            self.pages.on_disk = lambda entry: on_disk(entry.namespace, entry.key)
-
-    def unpin(self, entries: Sequence[ChunkEntry]) -> None:
-        """End ``pin_coldest``'s and ``pin_committed``'s pins (a chunk deleted meanwhile is
-        freed now)."""
-        with self._lock:
-            for entry in entries:
-                self.pages.unpin(entry)
 
     # -- housekeeping ------------------------------------------------------------------------
 

@@ -112,7 +112,10 @@ REMOTE = {
         ]
     ),
     "engine (plumbing)": ["core/chunks.py", "core/engine_hint.py", "core/keys.py"],
-    "holder": sorted([*GRPC_SERVER, *STATE_MACHINE, "store/remote/fetch.py"]),
+    # the holder reads its lease's chunks and checksums in place (StoreCore.upkeep)
+    "holder": sorted(
+        [*GRPC_SERVER, *STATE_MACHINE, "store/remote/fetch.py", "store/state/upkeep.py"]
+    ),
     "holder (plumbing)": ["core/auth.py", "core/keys.py", "core/rpc.py"],
     "store": sorted(
         [
@@ -135,6 +138,7 @@ REMOTE = {
             "store/client/view.py",  # the pulled chunks' commit, in the node's shared view
             "store/state/eventlog.py",
             "store/state/quotas.py",
+            "store/state/upkeep.py",  # the run's chunks already here, pinned and unpinned
         ]
     ),
     "store (plumbing)": ["core/auth.py", "core/keys.py", "core/rpc.py"],
@@ -263,7 +267,7 @@ def settle(rig: Any, core: Any, chunks: int) -> None:
     """Until the store holds ``chunks`` checksummed chunks and the rig's threads are idle:
     nothing of the first request runs while the hit is traced."""
     deadline = time.monotonic() + 10
-    while core.stats()["chunks"] < chunks or core.unsummed_count():
+    while core.stats()["chunks"] < chunks or core.upkeep.unsummed_count():
         assert time.monotonic() < deadline, f"the store never held {chunks} checksummed chunks"
         if rig.scheduler.has_requests():  # a finished request held for a save sent late
             rig.step()

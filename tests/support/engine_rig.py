@@ -343,7 +343,7 @@ class EngineRig:
         off the writer's path; a load with ``verify_loads`` stops before unsummed chunks)."""
         core = self.connector.scheduler.pool.store.core
         deadline = time.monotonic() + timeout
-        while core.unsummed_count() and time.monotonic() < deadline:
+        while core.upkeep.unsummed_count() and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def close(self) -> None:

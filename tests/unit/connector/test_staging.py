@@ -38,7 +38,7 @@ def test_staged_run_stops_at_chunks_without_a_checksum(store_config: StoreConfig
     from vllm.v1.request import Request
 
     pool = connect(store_config)
-    pool.store.core.take_unsummed = lambda limit=64: []  # the checksummer is behind
+    pool.store.core.upkeep.take_unsummed = lambda limit=64: []  # the checksummer is behind
     config = ConnectorConfig(
         chunk_tokens=CHUNK, tiers=["cpu", "remote"], min_hit_tokens={"cpu": 0, "remote": 0}
     )

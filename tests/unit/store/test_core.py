@@ -96,7 +96,7 @@ def test_pin_committed_keeps_a_runs_cold_chunks_through_an_allocation(
     mask, pinned = core.pin_committed(ns_id, run)
     assert mask == [False] * 3 + [True] * 3
     assert put(core, ns_id, run[:3]) == [AllocStatus.ALLOCATED] * 3  # evicts three others
-    core.unpin(pinned)
+    core.upkeep.unpin(pinned)
     assert [h.key for h in core.lookup(ns_id, run).hits] == run
     assert core.stats()["evictions"] == 3
     core.check_invariants()

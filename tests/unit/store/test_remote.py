@@ -157,6 +157,6 @@ def test_demotion_counts_chunks_that_free_themselves_as_free() -> None:
     core.delete(ns_id, keys[:8])  # ...and they are deleted here before it releases them
     assert core.stats()["used_bytes"] == 12 * chunk and core.stats()["doomed_bytes"] == 8 * chunk
     assert demoter.over_watermark() == 0
-    assert core.coldest(16 * chunk) == [(ns_id, k, chunk) for k in keys[8:]]  # still held
+    assert core.upkeep.coldest(16 * chunk) == [(ns_id, k, chunk) for k in keys[8:]]  # still held
     core.release([lease.lease_id])
     assert core.stats()["used_bytes"] == 4 * chunk and demoter.over_watermark() == 0

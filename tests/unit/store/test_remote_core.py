@@ -95,13 +95,13 @@ def test_coldest_is_what_eviction_takes_and_skips_pinned(eviction: str) -> None:
         put(core, ns_id, [key])
     core.lookup(ns_id, ks[:1])  # touch chunk 0: hot
     lease = core.lookup(ns_id, ks[1:2], lease_ttl_s=10)  # chunk 1 pinned
-    cold = [key for _, key, _ in core.coldest(4 * CHUNK)]
+    cold = [key for _, key, _ in core.upkeep.coldest(4 * CHUNK)]
     assert len(cold) == 4
     assert ks[1] not in cold  # pinned chunks are never candidates
     assert ks[0] not in cold  # the hot one comes last
-    assert core.coldest(CHUNK - 1) == []  # budget smaller than one chunk
+    assert core.upkeep.coldest(CHUNK - 1) == []  # budget smaller than one chunk
     before = core.stats()
-    core.coldest(30 * PAGE)
+    core.upkeep.coldest(30 * PAGE)
     assert core.stats() == before  # nothing changed
     # Eviction takes candidates in the same order.
     core.release([lease.lease_id])
@@ -129,9 +129,9 @@ def test_checksums_recorded_for_a_read_lease() -> None:
     alloc = core.allocate(ns_id, ks, [CHUNK, CHUNK])
     core.commit(alloc.lease_id, None, [0, 5])  # first without a checksum
     lease = core.lookup(ns_id, ks, lease_ttl_s=5)
-    entries = core.read_lease_entries(lease.lease_id)
+    entries = core.upkeep.read_lease_entries(lease.lease_id)
     assert [e.checksum for e in entries] == [0, 5]
-    core.record_checksums([(entries[0], 77), (entries[1], 99)])  # never overwrites one set
-    assert [core.location_of(e).checksum for e in entries] == [77, 5]
+    core.upkeep.record_checksums([(entries[0], 77), (entries[1], 99)])  # never overwrites one set
+    assert [core.upkeep.location_of(e).checksum for e in entries] == [77, 5]
     with pytest.raises(KvtierError):
-        core.read_lease_entries(alloc.lease_id)  # not a read lease (and gone)
+        core.upkeep.read_lease_entries(alloc.lease_id)  # not a read lease (and gone)
