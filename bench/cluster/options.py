@@ -21,7 +21,8 @@ def bench_cluster(
         str | None,
         typer.Option(
             help="vllm-rr, vllm-lmetric, kvtier-hybrid, kvtier-kvtier, lmcache-lmetric (the "
-            "default), kvtier-rr, kvtier-offload (quick: vllm-rr,vllm-lmetric,kvtier-kvtier)"
+            "default), kvtier-rr, kvtier-lmetric, kvtier-offload "
+            "(quick: vllm-rr,vllm-lmetric,kvtier-kvtier)"
         ),
     ] = None,
     nodes: Annotated[int, typer.Option(help="nodes (a store each)")] = 2,

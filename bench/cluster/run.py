@@ -14,8 +14,9 @@ router), once per configuration, each on freshly started processes:
 - ``kvtier-hybrid`` / ``kvtier-kvtier``: kvtier's connector and one node store per node (DRAM
   pool, remote tier between nodes); the connector announces each engine and has the index
   follow its KV events; the router's ``hybrid`` or ``kvtier`` policy;
-- ``kvtier-rr``: the same engines and stores, the router's round-robin (what the tiers cost
-  beside other requests, apart from where the ``kvtier`` policy places them);
+- ``kvtier-rr`` / ``kvtier-lmetric``: the same engines and stores, the router's round-robin
+  or ``lmetric`` (what the tiers cost beside other requests, apart from where the ``kvtier``
+  policy places them);
 - ``lmcache-lmetric``: LMCache 0.5's multiprocess server (``lmcache server``, CPU DRAM L1 the
   size of kvtier's pool) per node and ``LMCacheMPConnector`` in each engine; the index follows
   the engines' KV events as for ``vllm-lmetric`` (LMCache's DRAM is invisible to it).
@@ -102,6 +103,10 @@ CONFIGS: dict[str, ClusterConfig] = {
         # kvtier's connector and stores under round-robin: splits what kvtier's tiers cost a
         # step (the same as kvtier-kvtier) from where the kvtier policy places requests.
         ClusterConfig("kvtier-rr", "kvtier + round-robin", True, "round-robin", True),
+        # ... and under lmetric (it scores GPU holdings only): beside vllm-lmetric, what the
+        # tiers cost under cache-aware placement; beside kvtier-kvtier, what pricing DRAM and
+        # remote runs in the placement buys or costs.
+        ClusterConfig("kvtier-lmetric", "kvtier + lmetric", True, "lmetric", True),
         ClusterConfig(
             "kvtier-offload", "kvtier + kvtier + offload", True, "kvtier", True, offload=True
         ),
@@ -109,7 +114,8 @@ CONFIGS: dict[str, ClusterConfig] = {
     )
 }
 # The comparison a plain run makes (docs/benchmarks-cluster.md); the others are asked for by
-# name: kvtier-rr splits the tiers' cost from routing, kvtier-offload adds selective offload.
+# name: kvtier-rr and kvtier-lmetric split the tiers' cost from routing, kvtier-offload adds
+# selective offload.
 DEFAULT_CONFIGS = ("vllm-rr", "vllm-lmetric", "kvtier-hybrid", "kvtier-kvtier", "lmcache-lmetric")
 QUICK_CONFIGS = ("vllm-rr", "vllm-lmetric", "kvtier-kvtier")
 

@@ -197,9 +197,12 @@ def test_configurations_are_wired_as_documented(tmp_path: Path) -> None:
     # kvtier-rr differs from kvtier-kvtier in the routing policy alone
     krr = cluster.fleet_spec(cluster.CONFIGS["kvtier-rr"], topo)
     assert krr.policy == "round-robin" and dataclasses.replace(krr, policy="kvtier") == kv
+    klm = cluster.fleet_spec(cluster.CONFIGS["kvtier-lmetric"], topo)
+    assert klm.policy == "lmetric" and dataclasses.replace(klm, policy="kvtier") == kv
     assert cluster.CONFIGS["lmcache-lmetric"].peer == "lmcache"
     assert set(cluster.QUICK_CONFIGS) <= set(cluster.DEFAULT_CONFIGS) <= set(cluster.CONFIGS)
-    assert "kvtier-rr" not in cluster.DEFAULT_CONFIGS  # a diagnostic: asked for by name
+    for diagnostic in ("kvtier-rr", "kvtier-lmetric"):  # asked for by name
+        assert diagnostic not in cluster.DEFAULT_CONFIGS
     model = make_model(tmp_path / "tiny", "tiny")
     ns = Namespace(**events_namespace(model, 64))
     assert (ns.num_layers, ns.num_kv_heads, ns.head_size, ns.chunk_tokens) == (2, 2, 32, 64)
