@@ -27,7 +27,7 @@ run: $(VENV)/.all ## install kvtier and bring up a small cluster on this machine
 # (real stores, index, Redis, transfer engine), tests/engine (real vLLM), tests/drills (faults
 # through real processes), tests/gpu (skipped without CUDA).
 test: $(VENV)/.all lint ## lint, type check and the whole suite, every tier (what CI runs)
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n 2
 
 test-fast: $(VENV)/.all ## ruff and the unit tier: no process started, under a minute
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

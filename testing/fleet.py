@@ -18,11 +18,15 @@ them as static ``--backend`` URLs.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.store.client.control import SOCKET_PATH_MAX
 from kvtier.testing.models import cpu_binding
 from kvtier.testing.ports import free_port
 from kvtier.testing.services import Service, _start, start_store
@@ -78,6 +82,10 @@ class Fleet:
         self.spec = spec
         self.model = model
         self.workdir = workdir
+        # Unix sockets (a store's gRPC socket, its control socket in its run dir) must fit
+        # SOCKET_PATH_MAX bytes: under a deep workdir they go to a short temporary folder,
+        # removed at stop (else the store fails to bind, or its engines fall back to gRPC)
+        self._short: Path | None = None
         self.index: Service | None = None
         self.stores: dict[str, Service] = {}
         self.instances: list[Instance] = []
@@ -115,7 +123,7 @@ class Fleet:
         say(f"index     {self.index.address}{following}")
         if spec.kvtier:
             for node in nodes:
-                run_dir = self.workdir / f"run-{node}"
+                run_dir = self._socket_dir(f"run-{node}")
                 extra = ["--index", self.index.address, "--unix-socket", str(self._socket(node))]
                 store = start_store(
                     run_dir, spec.pool, node, remote=spec.remote, extra=tuple(extra)
@@ -142,7 +150,16 @@ class Fleet:
         say(f"router    {self.router_url} ({spec.policy})")
 
     def _socket(self, node: str) -> Path:
-        return self.workdir / f"sock-{node}" / "store.sock"
+        return self._socket_dir(f"sock-{node}") / "store.sock"
+
+    def _socket_dir(self, name: str) -> Path:
+        """``workdir / name``, or the same name in a short temporary folder when a socket in
+        it (``ctl-<16 hex>.sock``, the longest) would not fit a socket address."""
+        if len(os.fsencode(self.workdir / name / f"ctl-{0:016x}.sock")) <= SOCKET_PATH_MAX:
+            return self.workdir / name
+        if self._short is None:
+            self._short = Path(tempfile.mkdtemp(prefix="kvtier-fleet-"))
+        return self._short / name
 
     def _plan(self, node: str, name: str) -> _Plan:
         events = None
@@ -255,6 +272,9 @@ class Fleet:
         if self.index is not None:
             self.index.stop()
         self.instances, self.stores, self.router, self.index = [], {}, None, None
+        if self._short is not None:
+            shutil.rmtree(self._short, ignore_errors=True)
+            self._short = None
 
 
 def events_namespace(model: Path, chunk_tokens: int) -> dict:

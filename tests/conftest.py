@@ -5,12 +5,21 @@ may start them (tests/unit refuses: tests/unit/conftest.py). Helpers: tests/supp
 vLLM driver runs fork from one process that imported vLLM once (``vllm_forkserver``, started
 at the first run): ~9 s of a ~12.5 s run is that import, and the suite makes a hundred runs.
 vLLM servers (``VllmServer``) run their model worker inside the engine-core process
-(``WORKER_IN_ENGINE_ENV``): one fresh interpreter less per server, ~17 s each."""
+(``WORKER_IN_ENGINE_ENV``): one fresh interpreter less per server, ~17 s each.
+
+``make test`` runs the suite on two pytest-xdist workers (``-n 2``): every
+test that runs a vLLM engine (tests/engine, tests/drills, the ``vllm`` marker) is one group,
+run in order on one worker, so engines never run two at a time and share one forkserver; every
+other test module is a group of its own (its module fixtures set up once), spread over both
+workers. On two cores the engines' lane is the long one: ~1,100 of the suite's ~1,700 s run
+serially (2026-11-30), the rest beside it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +53,18 @@ def run_dir(tmp_path: Path) -> Path:
     path = tmp_path / "run"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh folder with a short path (``/tmp/kt-…``), removed after the test: for what holds
+    Unix sockets (a store's run dir: its control socket), whose address must fit 108 bytes;
+    ``tmp_path`` can be deeper than that (under pytest-xdist, or a long user name)."""
+    path = Path(tempfile.mkdtemp(prefix="kt-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -97,6 +118,40 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
         yield cluster
     finally:
         cluster.stop()
+
+
+ENGINE_TIERS = ("engine", "drills")  # tests/<tier>/: every test there runs vLLM engines
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (``-n``): the lanes of the module docstring. xdist's own
+    ``xdist_group`` marker does not group on pytest 9 (it renames ``Item._nodeid``, which pytest
+    9 no longer reads), so the scopes are drawn here from the test ids."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineLane(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_lane(nodeid)
+
+    return EngineLane(config, log)
+
+
+def xdist_lane(nodeid: str) -> str:
+    """What a test runs in order with under ``-n``: every test of the engine tiers
+    (tests/engine, tests/drills: all that run vLLM engines), else its module's tests."""
+    module = nodeid.split("::", 1)[0]
+    parts = module.split("/")
+    return "vllm-engines" if len(parts) > 2 and parts[1] in ENGINE_TIERS else module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that runs a vLLM engine (``vllm`` marker) must sit in an engine tier, or under
+    ``-n`` it would run beside another engine."""
+    tests_dir = Path(__file__).parent
+    for item in items:
+        tier = Path(str(item.path)).relative_to(tests_dir).parts[0]
+        if item.get_closest_marker("vllm") and tier not in ENGINE_TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a vllm test belongs in tests/engine or drills")
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -40,7 +40,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +118,10 @@ class DiskBackend:
         )
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
         self.spill_queue = 0  # chunks the last spill round found to copy (at most a batch)
+        # told each chunk file's ("write", fsync included, or "read") seconds: the store's
+        # /metrics histogram (``kvtier.store.server.metrics``); called on the writing or
+        # reading thread, so it must be cheap and thread-safe (a prometheus ``observe``)
+        self.on_file_timed: Callable[[str, float], None] | None = None
         self._counter_lock = threading.Lock()
         self._write_lock = threading.Lock()  # one spill round at a time
         self._writes_paused_until = 0.0
@@ -232,7 +236,7 @@ class DiskBackend:
                 self._write_failed(exc)
                 break
             finally:
-                self._count(write_seconds=time.perf_counter() - start)
+                self._timed("write", time.perf_counter() - start)
             dirs.update({path.parent, path.parent.parent})
             done.append(DiskEntry(header, path))
         if done and self.config.fsync:
@@ -364,7 +368,13 @@ class DiskBackend:
             self._drop(entry)
             return FetchStatus.TRANSFER_FAILED, f"read failed: {exc.strerror or exc}"
         finally:
-            self._count(read_seconds=time.perf_counter() - start)
+            self._timed("read", time.perf_counter() - start)
+
+    def _timed(self, what: str, seconds: float) -> None:
+        """One chunk file's ``what`` ("write" or "read") took ``seconds``: counted, observed."""
+        self._count(**{f"{what}_seconds": seconds})
+        if self.on_file_timed is not None:
+            self.on_file_timed(what, seconds)
 
     def _views(self, location: ChunkLocation) -> list[np.ndarray]:
         array = self.segment.array

@@ -70,6 +70,14 @@ class StoreMetrics:
             buckets=FETCH_BUCKETS,
             registry=registry,
         )
+        self.disk_file_latency = Histogram(
+            "kvtier_store_disk_file_seconds",
+            "Latency of one chunk file of the disk tier, by op: write (fsync included), read "
+            "(header and size checked)",
+            ["op"],
+            buckets=FETCH_BUCKETS,
+            registry=registry,
+        )
 
 
 _GAUGES = {

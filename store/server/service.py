@@ -77,6 +77,9 @@ class StoreService:
         control: ControlServer | None = None
         try:
             metrics, registry = build_registry(node)
+            if node.disk is not None:
+                file_latency = metrics.disk_file_latency
+                node.disk.on_file_timed = lambda op, s: file_latency.labels(op).observe(s)
             servicer = StoreServicer(node, security.own_token, metrics=metrics)
             control = start_control(node, servicer, authenticator)
             server, grpc_port = start_grpc_server(

@@ -299,13 +299,14 @@ def _rig(tmp_path: Path, **extra: Any) -> Any:
     return EngineRig(tmp_path, chunk_tokens=CHUNK, extra=extra, model=model)
 
 
-def _store(tmp_path: Path, node_id: str, **fields: Any) -> Any:
-    """A served store in this process. Sessions time out in a minute: no heartbeat runs while
-    a hit is traced (they are not recorded anyway)."""
+def _store(sockets: Path, node_id: str, **fields: Any) -> Any:
+    """A served store in this process, its run dir (its control socket) under ``sockets`` (a
+    short path: ``short_tmp``). Sessions time out in a minute: no heartbeat runs while a hit
+    is traced (they are not recorded anyway)."""
     from kvtier.core.config import StoreConfig
     from kvtier.store.server.service import StoreService
 
-    run_dir = tmp_path / f"run-{node_id}"
+    run_dir = sockets / f"run-{node_id}"
     run_dir.mkdir()
     config = StoreConfig(
         node_id=node_id,
@@ -324,8 +325,10 @@ def _store(tmp_path: Path, node_id: str, **fields: Any) -> Any:
 # -- the requests ----------------------------------------------------------------------------
 
 
-def dram_hit(tmp_path: Path, recorder: Recorder, served: bool) -> dict[str, list[str]]:
-    service = _store(tmp_path, "node-a") if served else None
+def dram_hit(
+    tmp_path: Path, sockets: Path, recorder: Recorder, served: bool
+) -> dict[str, list[str]]:
+    service = _store(sockets, "node-a") if served else None
     rig = _rig(tmp_path / "a", **({"store_address": service.grpc_address} if service else {}))
     try:
         core = service.node.core if service else rig.connector.scheduler.pool.store.core
@@ -349,20 +352,24 @@ def dram_hit(tmp_path: Path, recorder: Recorder, served: bool) -> dict[str, list
     return recorder.lists()
 
 
-def test_a_dram_hit_from_an_embedded_store(tmp_path: Path, recorder: Recorder) -> None:
-    lists = dram_hit(tmp_path, recorder, served=False)
+def test_a_dram_hit_from_an_embedded_store(
+    tmp_path: Path, short_tmp: Path, recorder: Recorder
+) -> None:
+    lists = dram_hit(tmp_path, short_tmp, recorder, served=False)
     report("DRAM hit, embedded store", lists)
     assert lists == DRAM_EMBEDDED
 
 
-def test_a_dram_hit_from_a_served_store(tmp_path: Path, recorder: Recorder) -> None:
-    lists = dram_hit(tmp_path, recorder, served=True)
+def test_a_dram_hit_from_a_served_store(
+    tmp_path: Path, short_tmp: Path, recorder: Recorder
+) -> None:
+    lists = dram_hit(tmp_path, short_tmp, recorder, served=True)
     report("DRAM hit, served store", lists)
     assert lists == DRAM_SERVED
 
 
 @pytest.mark.remote
-def test_a_remote_hit(tmp_path: Path, recorder: Recorder) -> None:
+def test_a_remote_hit(tmp_path: Path, short_tmp: Path, recorder: Recorder) -> None:
     from kvtier.core.chunks import Tier
     from kvtier.core.config.index import IndexConfig
     from kvtier.index.server.service import IndexService
@@ -371,8 +378,8 @@ def test_a_remote_hit(tmp_path: Path, recorder: Recorder) -> None:
         IndexConfig(grpc_host="127.0.0.1", grpc_port=0, http_host="127.0.0.1", http_port=0)
     )
     remote = {"enabled": True, "fetch_timeout_s": 5.0}
-    holder = _store(tmp_path, "node-b", remote=remote, index_address=index.grpc_address)
-    local = _store(tmp_path, "node-a", remote=remote, index_address=index.grpc_address)
+    holder = _store(short_tmp, "node-b", remote=remote, index_address=index.grpc_address)
+    local = _store(short_tmp, "node-a", remote=remote, index_address=index.grpc_address)
     recorder.store_sides[local.node.epoch] = "store"
     recorder.store_sides[holder.node.epoch] = "holder"
     rigs = []

@@ -64,6 +64,9 @@ def test_chunks_come_back_from_disk_through_the_store_and_after_a_crash(
         assert "kvtier_store_disk_chunks 4.0" in metrics
         assert "kvtier_store_disk_staged_chunks_total 4.0" in metrics
         assert "kvtier_store_disk_stage_seconds_count 1.0" in metrics
+        # one observation per chunk file written and per file read back (the stage's four)
+        assert 'kvtier_store_disk_file_seconds_count{op="write"} 4.0' in metrics
+        assert 'kvtier_store_disk_file_seconds_count{op="read"} 4.0' in metrics
         # the unsalted namespace is an unlisted tenant: its files counted as "other"
         file_bytes = 4 * (CHUNK + HEADER_BYTES)
         assert f'kvtier_store_disk_tenant_used_bytes{{tenant="other"}} {file_bytes:.1f}' in metrics
