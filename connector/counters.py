@@ -117,6 +117,18 @@ class C:
         "Chunks not committed: computed in a step over blocks whose load failed",
     )
     SAVE_ERRORS = Counter("save_errors", "Saves that failed (allocation, copy or commit)")
+    SAVE_HELD_SPACE = Counter(
+        "save_held_space",
+        "Chunks saved into pool space the connector held ahead (no wait for the store)",
+    )
+    SAVE_HELD_DUPLICATES = Counter(
+        "save_held_duplicates",
+        "Chunks copied into held pool space but stored by another save first (space freed)",
+    )
+    SAVE_HELD_SHORT = Counter(
+        "save_held_short",
+        "Saves that found too little held pool space and asked the store for theirs",
+    )
     SAVE_NO_STATE = Counter(
         "save_no_state",
         "Chunks of a Mamba hybrid not saved: vLLM wrote no recurrent state at their end (a "

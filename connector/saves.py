@@ -1,32 +1,36 @@
-"""Saving chunks a step completes: pool space asked for off the scheduler thread, copies done by
-the workers, commits only for bytes computed over valid KV.
+"""Saving chunks a step completes: pool space held ahead or asked for off the scheduler
+thread, copies done by the workers, commits only for bytes computed over valid KV.
 
-Per step, ``plan`` asks the store for pool pages for every chunk the step completes (on the
-``kvtier-alloc`` thread, one call for every request and rank of the step: one message on the
-store's control socket) and waits at most ``save_wait_s`` for the answers, so a slow or hung
-store never stalls vLLM's scheduler. An allocation that is late is sent in a later step
-instead (the chunk's blocks do not change while the request lives; when it finishes first,
-``finish`` tells vLLM to hold its blocks until the copy, and the workers report the request
-as finished sending once done); one later than ``save_defer_s`` is given up (a future miss,
-never a wrong byte).
+Per step, ``plan`` first takes pool space the connector holds ahead (``SaveSlab``, with a
+node store): a save that finds enough for every rank goes out with this step, and its
+placeholders commit under the chunks' keys. Otherwise it asks the store for pool pages for
+every chunk the step completes (on the ``kvtier-alloc`` thread, one call for every request
+and rank of the step: one message on the store's control socket) and waits at most
+``save_wait_s`` for the answers, so a slow or hung store never stalls vLLM's scheduler. An
+allocation that is late is sent in a later step instead (the chunk's blocks do not change
+while the request lives; when it finishes first, ``finish`` tells vLLM to hold its blocks
+until the copy, and the workers report the request as finished sending once done); one later
+than ``save_defer_s`` is given up (a future miss, never a wrong byte). A model with a sliding
+window is the reason for held space: a step later, the window may have freed the blocks.
 
 A save commits when every rank reported its copy (the saves one step's reports complete
-commit in one call, on ``kvtier-ops``), unless ``taint`` saw a failed load of any block the
-chunks were computed over (the chunk's own blocks or any before them): vLLM computed that
-step over KV that was never loaded, so those bytes are garbage under correct keys and are
-aborted instead. The same holds for another request sharing the failed blocks.
+commit in one call), unless ``taint`` saw a failed load of any block the chunks were
+computed over (the chunk's own blocks or any before them): vLLM computed that step over KV
+that was never loaded, so those bytes are garbage under correct keys and are aborted (held
+space: given back) instead. The same holds for another request sharing the failed blocks.
 
 A save aborted because its request will compute its chunks again (preempted while waiting for
 pool space, computed over a failed load, a copy that failed) moves the request's
-``saved_upto`` back to its first chunk: the recompute saves them. For that, aborts run on the
-allocation executor: an abort is submitted before any allocation asked after it and runs
-first, so the recompute's allocation never finds a chunk still IN_PROGRESS under the aborted
-lease and skips it.
+``saved_upto`` back to its first chunk: the recompute saves them. For that, every store call
+of saves runs on the allocation executor, in order: an abort is submitted before any
+allocation asked after it and runs first, so the recompute's allocation never finds a chunk
+still IN_PROGRESS under the aborted lease and skips it; and a commit runs after the delete of
+a corrupt chunk of the same name queued before it, so a held save's clean copy never commits
+as a duplicate of the damaged one.
 
-Threading: every method runs on vLLM's scheduler thread except the store calls; allocations
-and aborts run on the ``kvtier-alloc`` executor (one thread, FIFO), commits on ``kvtier-ops``
-(both inline for an embedded store). The scheduler thread never waits on either beyond
-``save_wait_s`` per step.
+Threading: every method runs on vLLM's scheduler thread except the store calls, which run on
+the ``kvtier-alloc`` executor (one thread, FIFO; inline for an embedded store). The scheduler
+thread never waits on it beyond ``save_wait_s`` per step, and not at all for held space.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtier.connector.counters import SAVE_STATUS, C, Counter
 from kvtier.connector.group_blocks import (
@@ -48,10 +52,11 @@ from kvtier.connector.group_blocks import (
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.lookup import RequestState
 from kvtier.connector.metadata import ChunkCopy, SaveJob
+from kvtier.connector.save_calls import AllocationAsk, PendingSave, SaveCalls
+from kvtier.connector.save_slab import SaveSlab, Slot
 from kvtier.core.chunks import SegmentRef
 from kvtier.core.config.connector import ConnectorConfig
-from kvtier.core.errors import KvtierError
-from kvtier.store.api.types import AllocateCall, AllocateResult, AllocStatus, CommitCall
+from kvtier.store.api.types import AllocateResult, AllocStatus, CommitCall
 from kvtier.tiers.base import PoolTier
 
 log = logging.getLogger(__name__)
@@ -90,29 +95,6 @@ def save_wait(config: ConnectorConfig, geometry: KvGeometry) -> float:
     return 0.0 if geometry.blocks_stay else WINDOW_SAVE_WAIT_S
 
 
-@dataclass(frozen=True)
-class AllocationAsk:
-    """An allocation of one step, answered through ``future`` by the step's one pool call."""
-
-    future: Future[dict[int, AllocateResult]]
-    state: RequestState
-    start: int
-    end: int
-
-
-@dataclass
-class PendingSave:
-    """A save sent to the workers, waiting for every rank's report."""
-
-    job: SaveJob
-    state: RequestState
-    start: int
-    prefix_blocks: frozenset[int]
-    leases: dict[int, int]  # per rank: write lease
-    counts: dict[int, int]  # per rank: chunks to commit
-    done_ranks: set[int] = field(default_factory=set)
-
-
 class SavePlanner:
     def __init__(
         self,
@@ -120,16 +102,17 @@ class SavePlanner:
         geometry: KvGeometry,
         tier: PoolTier,
         alloc: Executor,
-        ops: Executor,
         count: Count,
         namespaces_of: Callable[[RequestState], dict[int, bytes]],
+        slab: SaveSlab | None = None,
     ) -> None:
+        """``slab``: pool space held ahead (a node store): saves that find enough go out in
+        the step that computed their chunks, without waiting for the store."""
         self.config = config
-        self._namespaces_of = namespaces_of
+        self.slab = slab if slab is not None and config.save_held_chunks != 0 else None
         self.geometry = geometry
         self.tier = tier
         self._alloc = alloc
-        self._ops = ops
         self._count = count
         self._waiting: list[Allocation] = []  # FIFO
         self._pending: dict[int, PendingSave] = {}
@@ -138,7 +121,7 @@ class SavePlanner:
         self._step = 0  # plan() calls, one per engine step
         self._block_ids_of: Callable[[str], GroupBlocks] | None = None
         self.null_block = 0  # vLLM's null block id (set by the connector)
-        self._closing = False  # shutdown: allocations not yet started allocate nothing
+        self._calls = SaveCalls(geometry, tier, count, namespaces_of, self.slab)
         self._save_wait_s = save_wait(config, geometry)
 
     # -- per step ----------------------------------------------------------------------------
@@ -159,13 +142,15 @@ class SavePlanner:
                 alloc.state.saved_upto = min(alloc.state.saved_upto, alloc.start)
         self._block_ids_of = block_ids_of
         asks: list[AllocationAsk] = []
-        started = [self._request(*item, block_ids_of, asks) for item in scheduled]
+        jobs: list[SaveJob] = []  # saves into held pool space: out with this step
+        started = [self._request(*item, block_ids_of, asks, jobs) for item in scheduled]
+        if self.slab is not None:
+            self.slab.maybe_refill()
         if asks:  # the step's allocations: one task, one message to the store
-            self._alloc.submit(self._allocate_step, asks)
+            self._alloc.submit(self._calls.allocate_step, asks)
         fresh = [a.future for a in started if a is not None]
         if fresh and self._save_wait_s > 0:  # at 0 not even a look (a waiter costs ~20 µs)
             wait_futures(fresh, timeout=self._save_wait_s)
-        jobs = []
         now = time.monotonic()
         still: list[Allocation] = []
         for alloc in self._waiting:
@@ -194,6 +179,7 @@ class SavePlanner:
         count: int,
         block_ids_of: Callable[[str], GroupBlocks],
         asks: list[AllocationAsk],
+        jobs: list[SaveJob],
     ) -> Allocation | None:
         geo = self.geometry
         request = state.request
@@ -222,13 +208,24 @@ class SavePlanner:
             return None
         bpc = geo.blocks_per_chunk
         computed_over = frozenset(real_blocks(geo, blocks, 0, end * bpc, self.null_block))
+        chunk_blocks = [got for got in per_chunk if got is not None]  # every one, after the cut
+        if self.slab is not None and self.slab.enabled and state.ns_ids is not None:
+            self.slab.note(state.salt, state.ns_ids)
+            held = self.slab.take(state.salt, state.ns_ids, end - start)
+            job = None
+            if held is not None:
+                job = self._dispatch_held(state, start, end, chunk_blocks, computed_over, held)
+            if job is not None:
+                jobs.append(job)
+                return None
+            self._count(C.SAVE_HELD_SHORT, 1)
         future: Future[dict[int, AllocateResult]] = Future()
         asks.append(AllocationAsk(future, state, start, end))
         alloc = Allocation(
             state,
             start,
             end,
-            [got for got in per_chunk if got is not None],  # every one, after the cut
+            chunk_blocks,
             computed_over,
             future,
             time.monotonic() + self.config.save_defer_s,
@@ -237,55 +234,6 @@ class SavePlanner:
         )
         self._waiting.append(alloc)
         return alloc
-
-    def _allocate_step(self, asks: list[AllocationAsk]) -> None:
-        """On the alloc thread: one step's allocations, every request and rank in one call to
-        the pool (one message to a store that takes batches). Each request's future gets pool
-        space for every rank, or an error (with whatever its other ranks got aborted)."""
-        geo = self.geometry
-        calls: list[AllocateCall] = []
-        owners: list[tuple[AllocationAsk, int]] = []
-        asked: list[AllocationAsk] = []
-        for ask in asks:
-            if not ask.future.set_running_or_notify_cancel():
-                continue
-            if self._closing:
-                ask.future.set_result({})
-                continue
-            try:
-                ns_ids = self._namespaces_of(ask.state)  # registered if need be
-                for rank, ns_id in ns_ids.items():
-                    keys = ask.state.keys(rank, ask.end, geo.chunk_tokens)[ask.start : ask.end]
-                    calls.append(AllocateCall(ns_id, keys, [geo.chunk_bytes] * len(keys)))
-                    owners.append((ask, rank))
-            except Exception as exc:
-                ask.future.set_exception(exc)
-                continue
-            asked.append(ask)
-        if not asked:
-            return
-        try:
-            results: list[AllocateResult | KvtierError] = self.tier.allocate_many(calls)
-        except Exception as exc:
-            for ask in asked:
-                ask.future.set_exception(exc)
-            return
-        got: dict[int, dict[int, AllocateResult]] = {id(ask): {} for ask in asked}
-        errors: dict[int, KvtierError] = {}
-        for (ask, rank), result in zip(owners, results, strict=True):
-            if isinstance(result, KvtierError):
-                errors.setdefault(id(ask), result)
-            else:
-                got[id(ask)][rank] = result
-        for ask in asked:
-            error = errors.get(id(ask))
-            if error is None:
-                ask.future.set_result(got[id(ask)])
-                continue
-            for result in got[id(ask)].values():  # a request needs every rank's space
-                if result.lease_id:
-                    self._quiet_abort(result.lease_id)
-            ask.future.set_exception(error)
 
     def _dispatch(self, alloc: Allocation) -> SaveJob | None:
         try:
@@ -298,12 +246,12 @@ class SavePlanner:
             # the store ended the session: its write leases are gone and their pages held
             # back (quarantined) by the store; never copy into them
             self._count(C.SAVE_ERRORS, 1)
-            self._alloc.submit(self._abort_got, alloc.future)
+            self._alloc.submit(self._calls.abort_got, alloc.future)
             return None
         if alloc.step != self._step and not self._still_held(alloc):
             # late: a sliding window passed some of its blocks (vLLM may have reused them)
             self._count(C.SAVE_ERRORS, 1)
-            self._alloc.submit(self._abort_got, alloc.future)
+            self._alloc.submit(self._calls.abort_got, alloc.future)
             return None
         chunks: dict[int, list[ChunkCopy]] = {}
         segments: dict[int, SegmentRef] = {}
@@ -321,7 +269,7 @@ class SavePlanner:
                     copies.append(ChunkCopy(loc.extents, 0, 0, ids, loc.key, group))
                 copied += 1
             if result.lease_id and (segment is None or not copies):
-                self._alloc.submit(self._quiet_abort, result.lease_id)  # never on this thread
+                self._alloc.submit(self._calls.quiet_abort, result.lease_id)  # never on this thread
                 continue
             if copies and segment is not None:
                 chunks[rank], segments[rank] = copies, segment
@@ -333,6 +281,40 @@ class SavePlanner:
         self._job_ids += 1
         self._pending[job.job_id] = PendingSave(
             job, alloc.state, alloc.start, alloc.prefix_blocks, leases, counts
+        )
+        return job
+
+    def _dispatch_held(
+        self,
+        state: RequestState,
+        start: int,
+        end: int,
+        chunk_blocks: list[list[tuple[int, tuple[int, ...]]]],
+        computed_over: frozenset[int],
+        held: dict[int, list[Slot]],
+    ) -> SaveJob | None:
+        """The save of chunks [start, end) into pool space held ahead, sent with this step;
+        None (the slots given back) when a rank's store incarnation is not attached."""
+        chunks: dict[int, list[ChunkCopy]] = {}
+        segments: dict[int, SegmentRef] = {}
+        for rank, slots in held.items():
+            segment = self.tier.segment_ref(slots[0].epoch)
+            if segment is None or any(slot.epoch != slots[0].epoch for slot in slots):
+                assert self.slab is not None
+                self.slab.give_back(s for got in held.values() for s in got)
+                return None
+            segments[rank] = segment
+            chunks[rank] = [
+                ChunkCopy(slot.location.extents, 0, 0, ids, slot.key, group)
+                for slot, groups in zip(slots, chunk_blocks, strict=True)
+                for group, ids in groups
+            ]
+        self._count(C.SAVE_HELD_SPACE, end - start)
+        job = SaveJob(self._job_ids, state.request.request_id, segments, chunks)
+        self._job_ids += 1
+        counts = {rank: end - start for rank in held}
+        self._pending[job.job_id] = PendingSave(
+            job, state, start, computed_over, {}, counts, held=held, end=end
         )
         return job
 
@@ -371,6 +353,7 @@ class SavePlanner:
 
     def on_reports(self, saved: dict[int, set[int]], failed: dict[int, set[int]]) -> None:
         commits: list[CommitCall] = []
+        held: list[PendingSave] = []
         for job_id in failed:
             pending = self._pending.pop(job_id, None)
             if pending is not None:
@@ -380,22 +363,28 @@ class SavePlanner:
             if pending is None:
                 continue
             pending.done_ranks |= ranks
-            if pending.done_ranks >= set(pending.leases):
+            if pending.done_ranks >= set(pending.counts):
                 del self._pending[job_id]
+                if pending.held is not None:
+                    held.append(pending)
                 for rank, lease_id in pending.leases.items():
                     commits.append(CommitCall(lease_id, None, [0] * pending.counts[rank]))
-        if commits:  # every save these reports completed: one task, one message
-            self._ops.submit(self._commit_step, commits)
+        if commits or held:  # every save these reports completed: one task, one message
+            # behind every store call queued before (FIFO): a delete of a corrupt chunk named
+            # like a held save's runs first, or the clean copy would commit as a duplicate
+            self._alloc.submit(self._calls.commit_step, commits, held)
 
     def _abort_pending(self, pending: PendingSave, why: Counter) -> None:
         # chunks, as _drop counts them: a chunk copied on every rank is one chunk, not N
         self._count(why, max(pending.counts.values(), default=0))
         # recompute may save these chunks again once the blocks hold valid KV
         pending.state.saved_upto = min(pending.state.saved_upto, pending.start)
+        if pending.held is not None and self.slab is not None:  # behind the copy's report
+            self.slab.give_back(slot for slots in pending.held.values() for slot in slots)
         for lease_id in pending.leases.values():
             # ahead of the recompute's allocation (FIFO), which would otherwise find these
             # chunks still IN_PROGRESS and skip them
-            self._alloc.submit(self._quiet_abort, lease_id)
+            self._alloc.submit(self._calls.quiet_abort, lease_id)
 
     # -- request lifetime --------------------------------------------------------------------
 
@@ -419,44 +408,14 @@ class SavePlanner:
     def shutdown(self) -> None:
         """Give up every waiting allocation and stop the alloc thread once it ran what was
         queued: the aborts (every write lease given back), not the allocations."""
-        self._closing = True
+        self._calls.closing = True
         self.drop_all()
+        if self.slab is not None:
+            self.slab.close()
         self._alloc.shutdown(wait=True)
 
     def _drop(self, alloc: Allocation, why: Counter) -> None:
         alloc.dropped = True
         self._count(why, alloc.end - alloc.start)
         # behind the allocation (FIFO), ahead of any asked after this drop
-        self._alloc.submit(self._abort_got, alloc.future)
-
-    # -- store calls (alloc thread: allocations and aborts; ops thread: commits) -------------
-
-    def _abort_got(self, future: Future[dict[int, AllocateResult]]) -> None:
-        """Abort whatever the allocation of ``future`` got. It ran before this (FIFO)."""
-        if not future.done():  # never with one FIFO thread; abort whenever it completes
-            future.add_done_callback(self._abort_got)
-            return
-        if future.cancelled() or future.exception() is not None:
-            return
-        for result in future.result().values():
-            if result.lease_id:
-                self._quiet_abort(result.lease_id)
-
-    def _commit_step(self, commits: list[CommitCall]) -> None:
-        try:
-            results: list[int | KvtierError] = self.tier.commit_many(commits)
-        except KvtierError as exc:
-            results = [exc] * len(commits)
-        for call, result in zip(commits, results, strict=True):
-            if isinstance(result, KvtierError):
-                n = len(call.checksums)
-                log.warning("kvtier: commit of %d chunks failed: %s", n, result)
-                self._count(C.SAVE_ERRORS, 1)
-            else:
-                self._count(C.COMMITTED_CHUNKS, len(call.checksums))
-
-    def _quiet_abort(self, lease_id: int) -> None:
-        try:
-            self.tier.abort(lease_id)
-        except KvtierError as exc:
-            log.debug("kvtier: abort of lease %d: %s", lease_id, exc)
+        self._alloc.submit(self._calls.abort_got, alloc.future)

@@ -37,6 +37,7 @@ from kvtier.connector.load_copies import load_copies, tokens_by_tier
 from kvtier.connector.lookup import LookupOutcome, RequestState, TierResolver, take_leases
 from kvtier.connector.lookup_waits import LookupWaits
 from kvtier.connector.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadJob, SegmentRef
+from kvtier.connector.save_slab import SaveSlab, slots_target
 from kvtier.connector.saves import SavePlanner
 from kvtier.core.config.connector import ConnectorConfig
 from kvtier.core.errors import KvtierError
@@ -79,9 +80,12 @@ class ConnectorScheduler:
         identity: ModelIdentity,
         tiers: Tiers,
         no_hits_reason: str | None = None,
+        step_tokens: int = 0,
     ) -> None:
         """``no_hits_reason``: this engine cannot compute exactly over a cached prefix
-        (``layout.prefix_reuse_refused``): every lookup answers 0 and nothing is saved."""
+        (``layout.prefix_reuse_refused``): every lookup answers 0 and nothing is saved.
+        ``step_tokens``: vLLM's ``max_num_batched_tokens`` (0: not known), which sizes the
+        pool space held ahead for saves (``SaveSlab``)."""
         self.config = config
         self.no_hits_reason = no_hits_reason
         self.geometry = geometry
@@ -115,9 +119,9 @@ class ConnectorScheduler:
             geometry,
             self.pool,
             self._alloc,
-            self._ops,
             self._count,
             self.resolver.namespaces,
+            None if embedded else self._save_slab(step_tokens),
         )
         self._requests: dict[str, RequestState] = {}
         self._pending_loads: list[LoadJob] = []
@@ -133,6 +137,18 @@ class ConnectorScheduler:
         self._loading: dict[str, _Loading] = {}
         # leases of loads whose request finished while the workers were still copying
         self._release_after_load: dict[str, LookupOutcome] = {}
+
+    def _save_slab(self, step_tokens: int) -> SaveSlab:
+        """Pool space held ahead for saves, with a node store (an embedded one answers an
+        allocation in microseconds: nothing to hold)."""
+        geo, configured = self.geometry, self.config.save_held_chunks
+
+        def size(pool_bytes: int) -> int:
+            return slots_target(
+                configured, step_tokens, geo.chunk_tokens, geo.chunk_bytes, pool_bytes
+            )
+
+        return SaveSlab(self.pool, self._alloc, geo.chunk_bytes, size)
 
     def bind_blocks(
         self,

@@ -122,7 +122,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if refused:
                 log.warning("kvtier: %s", refused)
             self.scheduler = ConnectorScheduler(
-                self.config, geometry, identity, tiers, no_hits_reason=refused
+                self.config,
+                geometry,
+                identity,
+                tiers,
+                no_hits_reason=refused,
+                step_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
             )
             log.info(
                 "kvtier connector (scheduler): store %s, chunks of %d tokens = %d bytes",

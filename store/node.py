@@ -232,8 +232,16 @@ class NodeStore(StoreClient, StoreAdmin):
     ) -> AllocateResult:
         return self.core.allocate(ns_id, keys, sizes, ttl_s, session=session)
 
-    def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
-        return self.core.commit(lease_id, keys, checksums)
+    def commit(
+        self,
+        lease_id: int,
+        keys: Sequence[bytes] | None,
+        checksums: Sequence[int],
+        *,
+        as_ns_id: bytes = b"",
+        as_keys: Sequence[bytes] | None = None,
+    ) -> int:
+        return self.core.commit(lease_id, keys, checksums, as_ns_id=as_ns_id, as_keys=as_keys)
 
     def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int:
         return self.core.abort(lease_id, keys)

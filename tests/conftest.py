@@ -50,13 +50,6 @@ def vllm_forkserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "run"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture
 def short_tmp() -> Iterator[Path]:
     """A fresh folder with a short path (``/tmp/kt-…``), removed after the test: for what holds
     Unix sockets (a store's run dir: its control socket), whose address must fit 108 bytes;
@@ -66,6 +59,14 @@ def short_tmp() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def run_dir(short_tmp: Path) -> Path:
+    """A store's run dir, short enough for its control socket's address (``short_tmp``)."""
+    path = short_tmp / "run"
+    path.mkdir()
+    return path
 
 
 @pytest.fixture

@@ -113,6 +113,15 @@ class ConnectorConfig(Section):
         "but 2 ms for a model with a sliding window, whose blocks a late save may find freed",
         json_schema_extra={"default_doc": "0, or 0.002 with a sliding window"},
     )
+    save_held_chunks: int | None = Field(
+        None,
+        ge=0,
+        description="pool space, in chunks per TP rank, the connector holds ahead with a node "
+        "store (refilled off the scheduler thread), so a step's saves never wait for the "
+        "store: the copy goes out in the step that computed the chunks. Unset: the chunks of "
+        "one full prefill step, at most 1/32 of the pool; 0: off (every save asks the store)",
+        json_schema_extra={"default_doc": "max_num_batched_tokens / chunk_tokens, ≤ pool/32"},
+    )
     save_defer_s: float = Field(
         5.0, gt=0, description="pool space not granted by then: that save is given up"
     )

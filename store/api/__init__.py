@@ -148,8 +148,16 @@ class StoreClient(StoreHandle):
 
     @abc.abstractmethod
     def commit(
-        self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]
-    ) -> int: ...
+        self,
+        lease_id: int,
+        keys: Sequence[bytes] | None,
+        checksums: Sequence[int],
+        *,
+        as_ns_id: bytes = b"",
+        as_keys: Sequence[bytes] | None = None,
+    ) -> int:
+        """Make written chunks readable; ``as_keys``: placeholders commit under these names
+        of ``as_ns_id`` (``StoreCore.commit``)."""
 
     @abc.abstractmethod
     def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int: ...
@@ -173,7 +181,15 @@ class StoreClient(StoreHandle):
         out: list[int | KvtierError] = []
         for call in calls:
             try:
-                out.append(self.commit(call.lease_id, call.keys, call.checksums))
+                out.append(
+                    self.commit(
+                        call.lease_id,
+                        call.keys,
+                        call.checksums,
+                        as_ns_id=call.as_ns_id,
+                        as_keys=call.as_keys,
+                    )
+                )
             except KvtierError as exc:
                 out.append(exc)
         return out

@@ -66,3 +66,6 @@ class CommitCall:
     lease_id: int
     keys: Sequence[bytes] | None
     checksums: Sequence[int]
+    # placeholders committing under other names (``StoreCore.commit``): one per key, in order
+    as_ns_id: bytes = b""
+    as_keys: Sequence[bytes] | None = None

@@ -318,12 +318,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         if control is None or len(calls) < 2:
             return super().commit_many(calls)
         requests = [
-            pb.CommitRequest(
-                epoch=self.epoch,
-                lease_id=c.lease_id,
-                keys=pack_keys(c.keys) if c.keys is not None else b"",
-                checksums=c.checksums,
-            )
+            _commit_request(self.epoch, c.lease_id, c.keys, c.checksums, c.as_ns_id, c.as_keys)
             for c in calls
         ]
         try:
@@ -332,13 +327,16 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             return super().commit_many(calls)  # over gRPC, which answers or says why
         return [r if isinstance(r, KvtierError) else r.committed for r in replies]
 
-    def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
-        request = pb.CommitRequest(
-            epoch=self.epoch,
-            lease_id=lease_id,
-            keys=pack_keys(keys) if keys is not None else b"",
-            checksums=checksums,
-        )
+    def commit(
+        self,
+        lease_id: int,
+        keys: Sequence[bytes] | None,
+        checksums: Sequence[int],
+        *,
+        as_ns_id: bytes = b"",
+        as_keys: Sequence[bytes] | None = None,
+    ) -> int:
+        request = _commit_request(self.epoch, lease_id, keys, checksums, as_ns_id, as_keys)
         return self._call("Commit", request).committed
 
     def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int:
@@ -584,3 +582,21 @@ def _heartbeat_loop(
             return
         wait = client._heartbeat_once()
         del client
+
+
+def _commit_request(
+    epoch: int,
+    lease_id: int,
+    keys: Sequence[bytes] | None,
+    checksums: Sequence[int],
+    as_ns_id: bytes,
+    as_keys: Sequence[bytes] | None,
+) -> pb.CommitRequest:
+    return pb.CommitRequest(
+        epoch=epoch,
+        lease_id=lease_id,
+        keys=pack_keys(keys) if keys is not None else b"",
+        checksums=checksums,
+        as_ns_id=as_ns_id if as_keys is not None else b"",
+        as_keys=pack_keys(as_keys) if as_keys is not None else b"",
+    )

@@ -187,16 +187,20 @@ class AllocateReply(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[AllocStatus, str]]] = ..., allocated: _Optional[_Union[Locations, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("epoch", "lease_id", "keys", "checksums")
+    __slots__ = ("epoch", "lease_id", "keys", "checksums", "as_ns_id", "as_keys")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    AS_NS_ID_FIELD_NUMBER: _ClassVar[int]
+    AS_KEYS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     lease_id: int
     keys: bytes
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    as_ns_id: bytes
+    as_keys: bytes
+    def __init__(self, epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., as_ns_id: _Optional[bytes] = ..., as_keys: _Optional[bytes] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("committed",)

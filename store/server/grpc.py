@@ -240,8 +240,18 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     @rpc.handler
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
         keys = unpack_keys(request.keys) if request.keys else None
+        as_keys = None
+        if request.as_keys:
+            self.tenants.check(request.as_ns_id)
+            as_keys = unpack_keys(request.as_keys)
         with self._timed("commit"):
-            committed = self.core.commit(request.lease_id, keys, list(request.checksums))
+            committed = self.core.commit(
+                request.lease_id,
+                keys,
+                list(request.checksums),
+                as_ns_id=request.as_ns_id,
+                as_keys=as_keys,
+            )
         return pb.CommitReply(committed=committed)
 
     @rpc.handler

@@ -384,14 +384,35 @@ class StoreCore:
             granted = self.leases.granted(ttl) if lease_id else 0.0
             return AllocateResult(lease_id, statuses, locations, self.epoch, granted)
 
-    def commit(self, lease_id: int, keys: Sequence[bytes] | None, checksums: Sequence[int]) -> int:
+    def commit(
+        self,
+        lease_id: int,
+        keys: Sequence[bytes] | None,
+        checksums: Sequence[int],
+        *,
+        as_ns_id: bytes = b"",
+        as_keys: Sequence[bytes] | None = None,
+    ) -> int:
         """Make written chunks readable. ``keys=None`` commits the whole lease.
+
+        ``as_keys``: the chunks ``keys`` name are placeholders (pool space an engine took
+        ahead, kvtier.connector.save_slab) and commit as ``as_keys`` of namespace ``as_ns_id``,
+        which must be the same tenant's with the same chunk size (PERMISSION_DENIED,
+        WRONG_SIZE). A name already stored or being stored keeps what it has: that
+        placeholder's pages are freed and it does not count.
 
         Returns how many chunks became readable (a chunk deleted while being written is
         dropped instead). The lease ends once nothing in it is left uncommitted.
         """
         if keys is not None:
             self.limits.check_batch(len(keys))
+        if as_keys is not None:
+            check_keys(as_keys)
+            if keys is None or len(as_keys) != len(keys) or len(set(as_keys)) != len(as_keys):
+                raise KvtierError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    "as_keys names each key of the commit once, in order",
+                )
         with self._lock:
             self._reap(self._clock())
             lease = self.leases.require(lease_id, LeaseKind.WRITE)
@@ -401,10 +422,18 @@ class StoreCore:
                     ErrorCode.INVALID_ARGUMENT,
                     f"{len(entries)} chunks to commit but {len(checksums)} checksums",
                 )
+            if as_keys is not None:
+                self.namespaces.check_rename(as_ns_id, entries, self._clock())
             stored: dict[bytes, list[bytes]] = {}
             committed = 0
             lease.drop(entries)
-            for entry, checksum in zip(entries, checksums, strict=True):
+            for i, (entry, checksum) in enumerate(zip(entries, checksums, strict=True)):
+                # (a doomed placeholder is not renamed: the commit frees it)
+                name = as_keys[i] if as_keys is not None and not entry.doomed else None
+                if name is not None and not self.pages.rekey(entry, as_ns_id, name):
+                    self.pages.drop_writing([entry])  # stored by someone else meanwhile
+                    self.counters["exists"] += 1
+                    continue
                 if not self.pages.commit(entry, checksum):
                     continue  # deleted while being written: freed
                 if not checksum:

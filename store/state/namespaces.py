@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace
-from kvtier.store.state.entries import NamespaceInfo
+from kvtier.store.state.entries import ChunkEntry, NamespaceInfo
 from kvtier.store.state.limits import StoreLimits
 from kvtier.store.state.pages import PageBook
 from kvtier.store.state.quotas import TenantBook
@@ -88,6 +88,23 @@ class NamespaceTable:
         self._used[ns_id] = now
         self._used.move_to_end(ns_id)
         return info
+
+    def check_rename(self, ns_id: bytes, entries: list[ChunkEntry], now: float) -> None:
+        """Placeholders (``StoreCore.commit``'s ``as_keys``) take names only in a namespace
+        of their own tenant and chunk size."""
+        info = self.use(ns_id, now)
+        for entry in entries:
+            if entry.tenant is not info.tenant:
+                raise KvtierError(
+                    ErrorCode.PERMISSION_DENIED,
+                    "a chunk commits only under a namespace of the tenant that allocated it",
+                )
+            if entry.size != info.chunk_bytes:
+                raise KvtierError(
+                    ErrorCode.WRONG_SIZE,
+                    f"a {entry.size}-byte chunk cannot commit in namespace {ns_id.hex()} "
+                    f"of {info.chunk_bytes}-byte chunks",
+                )
 
     def retire_idle(self, now: float, limit: int | None = None) -> int:
         """Forget namespaces unused for ``namespace_idle_s`` that have no chunk left (none

@@ -250,6 +250,20 @@ class PageBook:
         self.pages["writing"] += entry.pages
         entry.tenant.writing += entry.pages
 
+    def rekey(self, entry: ChunkEntry, ns_id: bytes, key: bytes) -> bool:
+        """A chunk being written (a placeholder an engine holds pool space under) takes the
+        name ``key`` in namespace ``ns_id`` (the same tenant's, the same chunk size: the caller
+        checks) before it commits. False, and nothing changed, when ``key`` is in the table
+        already (the caller drops the placeholder: that chunk is stored or being stored)."""
+        if key in self.table:
+            return False
+        del self.table[entry.key]  # (never doomed: a deleted placeholder is not renamed)
+        self.table[key] = entry
+        self._gone(entry)
+        self.live[ns_id] = self.live.get(ns_id, 0) + 1
+        entry.key, entry.namespace = key, ns_id
+        return True
+
     def commit(self, entry: ChunkEntry, checksum: int) -> bool:
         """A written chunk becomes readable; False when it was deleted meanwhile (freed)."""
         self.pages["writing"] -= entry.pages

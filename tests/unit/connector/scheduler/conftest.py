@@ -166,8 +166,16 @@ class Store(StoreClient):
     ) -> Any:
         return self._call("allocate", ns_id, keys, sizes, ttl_s, session=session)
 
-    def commit(self, lease_id: int, keys: Any, checksums: Any) -> int:
-        return self._call("commit", lease_id, keys, checksums)
+    def commit(
+        self,
+        lease_id: int,
+        keys: Any,
+        checksums: Any,
+        *,
+        as_ns_id: bytes = b"",
+        as_keys: Any = None,
+    ) -> int:
+        return self._call("commit", lease_id, keys, checksums, as_ns_id=as_ns_id, as_keys=as_keys)
 
     def abort(self, lease_id: int, keys: Any = None) -> int:
         return self._call("abort", lease_id, keys)
@@ -440,10 +448,17 @@ class Rig:
         return int(self.store.inner.stats()["read_leases"])
 
     def write_leases(self) -> int:
-        return int(self.store.inner.stats()["write_leases"])
+        """Write leases of saves: all the store has, less those of the space the connector
+        holds ahead (``SaveSlab``: held on purpose, and given back at shutdown)."""
+        slab = self.sched.saves.slab
+        held = len(slab.lease_ids()) if slab is not None else 0
+        return int(self.store.inner.stats()["write_leases"]) - held
 
     def writing_bytes(self) -> int:
-        return int(self.store.inner.stats()["writing_bytes"])
+        """Pages being written by saves (less the space held ahead, as ``write_leases``)."""
+        slab = self.sched.saves.slab
+        held = slab.held() * GEOMETRY.chunk_bytes if slab is not None else 0
+        return int(self.store.inner.stats()["writing_bytes"]) - held
 
     def counts(self) -> dict[str, float]:
         """The scheduler's and the worker's counters, summed since the rig started."""
