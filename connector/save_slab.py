@@ -44,7 +44,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from kvtier.connector.layout import KvGeometry
 from kvtier.core.chunks import ChunkLocation
+from kvtier.core.config.connector import ConnectorConfig
 from kvtier.core.errors import KvtierError
 from kvtier.core.keys import KEY_BYTES
 from kvtier.store.api.types import AllocateCall, AllocateResult, AllocStatus
@@ -71,6 +73,18 @@ class Slot:
     epoch: int  # the store incarnation the extents belong to
     generation: int  # the store session the write lease belongs to
     expires: float  # monotonic: the write lease ends (as seen from here, conservatively)
+
+
+def holds_space(config: ConnectorConfig, geometry: KvGeometry, embedded: bool) -> bool:
+    """Whether saves take pool space held ahead: never with an embedded store (it answers an
+    allocation in microseconds); with ``save_held_chunks`` unset, only for a model whose blocks
+    a step later may be freed (a sliding window, local attention, Mamba state: a save asked
+    for is sent a step later). A full-attention model's blocks stay while its request lives,
+    so its saves lose nothing by a step, and holding space measured slower decoding there
+    (docs/benchmarks.md, "Pool space held ahead")."""
+    if embedded or config.save_held_chunks == 0:
+        return False
+    return config.save_held_chunks is not None or not geometry.blocks_stay
 
 
 def slots_target(

@@ -109,7 +109,7 @@ class SavePlanner:
         """``slab``: pool space held ahead (a node store): saves that find enough go out in
         the step that computed their chunks, without waiting for the store."""
         self.config = config
-        self.slab = slab if slab is not None and config.save_held_chunks != 0 else None
+        self.slab = slab
         self.geometry = geometry
         self.tier = tier
         self._alloc = alloc

@@ -37,7 +37,7 @@ from kvtier.connector.load_copies import load_copies, tokens_by_tier
 from kvtier.connector.lookup import LookupOutcome, RequestState, TierResolver, take_leases
 from kvtier.connector.lookup_waits import LookupWaits
 from kvtier.connector.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadJob, SegmentRef
-from kvtier.connector.save_slab import SaveSlab, slots_target
+from kvtier.connector.save_slab import SaveSlab, holds_space, slots_target
 from kvtier.connector.saves import SavePlanner
 from kvtier.core.config.connector import ConnectorConfig
 from kvtier.core.errors import KvtierError
@@ -121,7 +121,7 @@ class ConnectorScheduler:
             self._alloc,
             self._count,
             self.resolver.namespaces,
-            None if embedded else self._save_slab(step_tokens),
+            self._save_slab(step_tokens) if holds_space(config, geometry, embedded) else None,
         )
         self._requests: dict[str, RequestState] = {}
         self._pending_loads: list[LoadJob] = []
@@ -139,8 +139,7 @@ class ConnectorScheduler:
         self._release_after_load: dict[str, LookupOutcome] = {}
 
     def _save_slab(self, step_tokens: int) -> SaveSlab:
-        """Pool space held ahead for saves, with a node store (an embedded one answers an
-        allocation in microseconds: nothing to hold)."""
+        """Pool space held ahead for saves (``holds_space``)."""
         geo, configured = self.geometry, self.config.save_held_chunks
 
         def size(pool_bytes: int) -> int:

@@ -108,7 +108,7 @@ def bench_decode_overhead(
         str,
         typer.Option(
             help="vllm (the floor), vllm-noop (a connector doing nothing), kvtier-embedded, "
-            "kvtier-store, kvtier-store-grpc, kvtier-store-asked"
+            "kvtier-store, kvtier-store-grpc, kvtier-store-held"
         ),
     ] = "vllm,vllm-noop,kvtier-embedded,kvtier-store",
     json_out: JsonOut = None,

@@ -15,8 +15,9 @@ interleaved repeat by repeat so a machine's drift hits all of them alike:
   control socket, misses answered from its shared view: ``store.fast_control``);
 - ``kvtier-store-grpc``: the same with every call over gRPC on loopback (the path before
   ``store.fast_control``, kept to compare);
-- ``kvtier-store-asked``: ``kvtier-store`` with no pool space held ahead for saves
-  (``save_held_chunks = 0``: every save asks the store and goes out a step later).
+- ``kvtier-store-held``: ``kvtier-store`` with pool space held ahead for saves
+  (``save_held_chunks = 32``; unset, a full-attention model holds none: every save asks the
+  store and goes out a step later).
 
 The workload: ``requests`` distinct random prompts (every one a miss, so every prompt's
 chunks are saved while other requests decode), ``concurrency`` streams at a time,
@@ -62,7 +63,7 @@ CONFIGS = (
     "kvtier-embedded",
     "kvtier-store",
     "kvtier-store-grpc",
-    "kvtier-store-asked",
+    "kvtier-store-held",
 )
 
 
@@ -125,8 +126,8 @@ def _serve_once(
             extra = {"chunk_tokens": 64, "store_address": store.address}
             if config == "kvtier-store-grpc":
                 extra["store"] = {"fast_control": False}
-            if config == "kvtier-store-asked":
-                extra["save_held_chunks"] = 0
+            if config == "kvtier-store-held":
+                extra["save_held_chunks"] = 32
         extra_args = ["--kv-transfer-config", json.dumps(kvtier_transfer_config(extra))]
     server = VllmServer(
         model, workdir / f"{config}.log", kv_cache_bytes=s.kv_cache_bytes, extra_args=extra_args,

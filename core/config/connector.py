@@ -118,9 +118,14 @@ class ConnectorConfig(Section):
         ge=0,
         description="pool space, in chunks per TP rank, the connector holds ahead with a node "
         "store (refilled off the scheduler thread), so a step's saves never wait for the "
-        "store: the copy goes out in the step that computed the chunks. Unset: the chunks of "
-        "one full prefill step, at most 1/32 of the pool; 0: off (every save asks the store)",
-        json_schema_extra={"default_doc": "max_num_batched_tokens / chunk_tokens, ≤ pool/32"},
+        "store: the copy goes out in the step that computed the chunks. Unset: for a model "
+        "with a sliding window, local attention or Mamba state (whose blocks a save sent a "
+        "step later may find freed) the chunks of one full prefill step, at most 1/32 of the "
+        "pool; off for full attention. 0: off (every save asks the store)",
+        json_schema_extra={
+            "default_doc": "max_num_batched_tokens / chunk_tokens (≤ pool/32) for a model whose "
+            "blocks do not stay; off for full attention"
+        },
     )
     save_defer_s: float = Field(
         5.0, gt=0, description="pool space not granted by then: that save is given up"

@@ -12,6 +12,8 @@ chunks once a step of it has recomputed them.
 
 from __future__ import annotations
 
+import pytest
+
 PROMPT = list(range(4000, 4160))  # 160 tokens: five chunks, ten blocks
 EXTRA = list(range(8000, 8065))  # 65 more: two chunks completed in the load's step
 OTHER = list(range(8500, 8565))
@@ -106,13 +108,20 @@ def test_external_tokens_never_offered_become_load_errors(rig) -> None:
     assert rig.lookup(request, 0) == 0
 
 
-def test_the_corrupt_chunk_is_gone_before_the_recompute_saves_it_again(make_rig) -> None:
+@pytest.mark.parametrize("held", [None, 16], ids=["asked", "held-ahead"])
+def test_the_corrupt_chunk_is_gone_before_the_recompute_saves_it_again(
+    make_rig, held: int | None
+) -> None:
     """The delete of the chunk that failed its checksum is a store call off the scheduler
     thread (here a slow one, stalled until the recompute's step has run). The recompute's
     allocation must not run before it: it would find the damaged chunk still there (EXISTS),
-    not save the clean copy, and leave a hole in the prefix once the delete ran."""
-    rig = make_rig(served=True, save_wait_s=0.05)
+    not save the clean copy, and leave a hole in the prefix once the delete ran. Into pool
+    space held ahead, the same for its commit: run before the delete, it would find the
+    name taken and free the clean copy."""
+    rig = make_rig(served=True, save_wait_s=0.05, save_held_chunks=held)
     rig.seed(PROMPT)
+    if held:
+        rig.steps_until(lambda: rig.sched.saves.slab.held() >= 9, "space held ahead")
     request = rig.request("r", PROMPT + EXTRA)
     assert rig.admit(request) == 160
     gate = rig.store.stall("delete")
@@ -124,3 +133,5 @@ def test_the_corrupt_chunk_is_gone_before_the_recompute_saves_it_again(make_rig)
         calls.submit(lambda: None).result()
     rig.steps_until(lambda: rig.stored(PROMPT + EXTRA) == 7 and rig.write_leases() == 0)
     assert rig.counts()["corrupt_chunks_deleted"] == 1
+    if held:
+        assert rig.counts()["save_held_space"] == 2 + 7  # the failing step's, the recompute's

@@ -1,4 +1,5 @@
-"""Saves into pool space the connector holds ahead (``SaveSlab``), driven through the hooks
+"""Saves into pool space the connector holds ahead (``SaveSlab``: 8 chunks here, set
+explicitly: unset it holds none for the rig's full-attention model), driven through the hooks
 in vLLM's order with a store served from another thread: the copy goes out with the step that
 computed the chunks however slow the store's allocations, the chunks commit under their own
 keys with exactly their KV, and no placeholder page is left behind (a duplicate, a failed
@@ -29,7 +30,7 @@ def warm(rig, tokens: list[int], at_least: int = 5) -> None:
 
 
 def test_a_step_saves_into_held_space_while_the_store_is_slow_to_allocate(make_rig) -> None:
-    rig = make_rig(served=True)  # a 1 MiB pool: 8 chunks held (1/32 of it)
+    rig = make_rig(served=True, save_held_chunks=8)
     warm(rig, OTHER)
     gate = rig.store.stall("allocate")  # every allocation waits from now on
     request = rig.request("r", PROMPT)
@@ -61,7 +62,7 @@ def test_a_chunk_stored_meanwhile_keeps_its_bytes_and_the_copy_is_freed(make_rig
 
 
 def test_a_held_save_computed_over_a_failed_load_is_given_back(make_rig) -> None:
-    rig = make_rig(served=True, save_wait_s=0.05)
+    rig = make_rig(served=True, save_wait_s=0.05, save_held_chunks=8)
     warm(rig, PROMPT)
     request = rig.request("r", PROMPT + OTHER)
     assert rig.admit(request) == 160
@@ -83,7 +84,7 @@ def test_a_held_save_computed_over_a_failed_load_is_given_back(make_rig) -> None
 
 
 def test_a_store_restart_voids_held_space(make_rig) -> None:
-    rig = make_rig(served=True)
+    rig = make_rig(served=True, save_held_chunks=8)
     warm(rig, OTHER)
     request = rig.request("r", PROMPT)
     assert rig.admit(request) == 0
@@ -107,7 +108,7 @@ def test_a_store_restart_voids_held_space(make_rig) -> None:
 def test_space_too_close_to_its_lease_end_is_never_used(make_rig) -> None:
     """Write leases of 10 s, less than a slot must have left (15 s): the slab gives its space
     back and every save asks the store, as without it."""
-    rig = make_rig(served=True, store={"write_ttl_s": 10})
+    rig = make_rig(served=True, save_held_chunks=8, store={"write_ttl_s": 10})
     rig.seed(OTHER)
     for i in range(3):
         tokens = list(range(70000 + 1000 * i, 70000 + 1000 * i + 160))
@@ -121,9 +122,16 @@ def test_space_too_close_to_its_lease_end_is_never_used(make_rig) -> None:
 
 
 def test_shutdown_gives_all_held_space_back(make_rig) -> None:
-    rig = make_rig(served=True)
+    rig = make_rig(served=True, save_held_chunks=8)
     warm(rig, OTHER)
     stats = rig.store.inner.stats
     assert stats()["writing_bytes"] == slab_of(rig).held() * 4096 > 0
     rig.sched.shutdown()
     assert stats()["write_leases"] == 0 and stats()["writing_bytes"] == 0
+
+
+def test_unset_holds_space_only_for_a_model_whose_blocks_may_go(make_rig) -> None:
+    """A full-attention model keeps its blocks while the request lives (a save sent a step
+    later loses nothing): unset, nothing is held; an embedded store never holds any."""
+    assert make_rig(served=True).sched.saves.slab is None
+    assert make_rig(save_held_chunks=8).sched.saves.slab is None  # embedded
