@@ -14,16 +14,6 @@ from kvtier.store.state.core import StoreCore
 from support.store_core import CHUNK, NS, PAGE, FakeClock, keys, make_core, put
 
 
-@pytest.fixture
-def core() -> StoreCore:
-    return make_core()
-
-
-@pytest.fixture
-def ns_id(core: StoreCore) -> bytes:
-    return core.register_namespace(NS, CHUNK)
-
-
 def test_put_then_lookup_longest_prefix(core: StoreCore, ns_id: bytes) -> None:
     ks = keys(5)
     assert put(core, ns_id, ks[:3]) == [AllocStatus.ALLOCATED] * 3

@@ -13,17 +13,7 @@ from kvtier.core.keys import KEY_BYTES
 from kvtier.store.api.events import EventKind
 from kvtier.store.state.core import StoreCore
 
-from support.store_core import CHUNK, NS, keys, make_core, put
-
-
-@pytest.fixture
-def core() -> StoreCore:
-    return make_core()
-
-
-@pytest.fixture
-def ns_id(core: StoreCore) -> bytes:
-    return core.register_namespace(NS, CHUNK)
+from support.store_core import CHUNK, NS, keys, put
 
 
 def placeholders(n: int) -> list[bytes]:
