@@ -157,19 +157,23 @@ class SaveSlab:
         now = self._clock()
         usable_after = now + self.min_life_s
         live = self._live()
-        with self._lock:
-            self._last_take[salt] = now
-            queues = []
-            for rank in ranks:
-                queue = self._slots.get((salt, rank))
-                if queue is None:
-                    return None
-                while queue and (queue[0].expires < usable_after or not live(queue[0])):
-                    self._retire(queue.popleft(), live)
-                if len(queue) < n:
-                    return None
-                queues.append((rank, queue))
-            return {rank: [queue.popleft() for _ in range(n)] for rank, queue in queues}
+        retired: list[Slot] = []
+        try:
+            with self._lock:
+                self._last_take[salt] = now
+                queues = []
+                for rank in ranks:
+                    queue = self._slots.get((salt, rank))
+                    if queue is None:
+                        return None
+                    while queue and (queue[0].expires < usable_after or not live(queue[0])):
+                        retired.append(queue.popleft())
+                    if len(queue) < n:
+                        return None
+                    queues.append((rank, queue))
+                return {rank: [queue.popleft() for _ in range(n)] for rank, queue in queues}
+        finally:
+            self.give_back(slot for slot in retired if live(slot))
 
     def maybe_refill(self) -> None:
         """Ask for a refill when any tenant's slots run below half the target (or age)."""
@@ -213,11 +217,6 @@ class SaveSlab:
         generation, epoch = self.tier.session_generation, self.tier.epoch
         return lambda slot: slot.generation == generation and slot.epoch == epoch
 
-    def _retire(self, slot: Slot, live: Callable[[Slot], bool]) -> None:
-        """(Under the lock.) A slot not to be taken: given back if the store still has it."""
-        if live(slot):
-            self._executor.submit(self._give_back, [slot])
-
     def _refill(self) -> None:
         try:
             self._refill_once()
@@ -236,25 +235,26 @@ class SaveSlab:
         generation = self.tier.session_generation
         calls: list[AllocateCall] = []
         owners: list[tuple[str, int]] = []
+        retired: list[Slot] = []  # given back (the ones the store still has) before asking
         with self._lock:
             for salt in [s for s, at in self._last_take.items() if now - at > IDLE_S]:
                 ns_ids = self._ns_ids.pop(salt, {})
                 del self._last_take[salt]
                 for rank in ns_ids:
-                    for slot in self._slots.pop((salt, rank), ()):
-                        self._retire(slot, live)
+                    retired.extend(self._slots.pop((salt, rank), ()))
             for salt, ns_ids in self._ns_ids.items():
                 for rank, ns_id in ns_ids.items():
                     queue = self._slots.setdefault((salt, rank), deque())
                     while queue and (
                         queue[0].expires < now + 2 * self.min_life_s or not live(queue[0])
                     ):
-                        self._retire(queue.popleft(), live)
+                        retired.append(queue.popleft())
                     want = self.target - len(queue)
                     if want > 0:
                         keys = [os.urandom(KEY_BYTES) for _ in range(want)]
                         calls.append(AllocateCall(ns_id, keys, [self.chunk_bytes] * want))
                         owners.append((salt, rank))
+        self._give_back([slot for slot in retired if live(slot)])
         if not calls:
             return
         sent = self._clock()
@@ -266,8 +266,18 @@ class SaveSlab:
                     self._ns_ids.pop(salt, None)
                 continue
             slots = self._slots_of(result, sent, generation)
+            if slots and result.lease_ttl_s < 2 * self.min_life_s:
+                # every slot would be too old to take before the next refill: holding space
+                # would only churn the store (its write leases are short): saves ask instead
+                log.warning(
+                    "kvtier: the store grants write leases of %.0f s, too short to hold pool "
+                    "space ahead for saves (%.0f s needed): saves ask for theirs",
+                    result.lease_ttl_s,
+                    2 * self.min_life_s,
+                )
+                self.target = 0
             with self._lock:
-                if self._closed or salt not in self._ns_ids:
+                if self._closed or salt not in self._ns_ids or not self.target:
                     self._executor.submit(self._give_back, slots)
                 else:
                     self._slots.setdefault((salt, rank), deque()).extend(slots)

@@ -271,7 +271,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             )
             return self._call("Allocate", request)
 
-        return _allocated(self._with_session(session, call), epoch)
+        return wire.allocated_from_pb(self._with_session(session, call), epoch)
 
     def allocate_many(
         self, calls: Sequence[AllocateCall], *, session: int = 0
@@ -311,14 +311,15 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             if exc.code is not ErrorCode.UNAVAILABLE:
                 raise
             return super().allocate_many(calls, session=session)  # over gRPC, call by call
-        return [r if isinstance(r, KvtierError) else _allocated(r, epoch) for r in replies]
+        parse = wire.allocated_from_pb
+        return [r if isinstance(r, KvtierError) else parse(r, epoch) for r in replies]
 
     def commit_many(self, calls: Sequence[CommitCall]) -> list[int | KvtierError]:
         control = self._local.control
         if control is None or len(calls) < 2:
             return super().commit_many(calls)
         requests = [
-            _commit_request(self.epoch, c.lease_id, c.keys, c.checksums, c.as_ns_id, c.as_keys)
+            wire.commit_request(self.epoch, c.lease_id, c.keys, c.checksums, c.as_ns_id, c.as_keys)
             for c in calls
         ]
         try:
@@ -336,7 +337,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         as_ns_id: bytes = b"",
         as_keys: Sequence[bytes] | None = None,
     ) -> int:
-        request = _commit_request(self.epoch, lease_id, keys, checksums, as_ns_id, as_keys)
+        request = wire.commit_request(self.epoch, lease_id, keys, checksums, as_ns_id, as_keys)
         return self._call("Commit", request).committed
 
     def abort(self, lease_id: int, keys: Sequence[bytes] | None = None) -> int:
@@ -564,13 +565,6 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         self._channel.close()  # a heartbeat in flight is cancelled; the thread then stops
 
 
-def _allocated(reply: Any, epoch: int) -> AllocateResult:
-    statuses = [wire.ALLOC_STATUS_BACK[s] for s in reply.statuses]
-    allocated = iter(wire.locations_from_pb(reply.allocated))
-    locations = [next(allocated) if s.value == "allocated" else None for s in statuses]
-    return AllocateResult(reply.lease_id, statuses, locations, epoch, reply.lease_ttl_s)
-
-
 def _heartbeat_loop(
     ref: weakref.ref[GrpcStoreClient], closed: threading.Event, wait: float
 ) -> None:
@@ -582,21 +576,3 @@ def _heartbeat_loop(
             return
         wait = client._heartbeat_once()
         del client
-
-
-def _commit_request(
-    epoch: int,
-    lease_id: int,
-    keys: Sequence[bytes] | None,
-    checksums: Sequence[int],
-    as_ns_id: bytes,
-    as_keys: Sequence[bytes] | None,
-) -> pb.CommitRequest:
-    return pb.CommitRequest(
-        epoch=epoch,
-        lease_id=lease_id,
-        keys=pack_keys(keys) if keys is not None else b"",
-        checksums=checksums,
-        as_ns_id=as_ns_id if as_keys is not None else b"",
-        as_keys=pack_keys(as_keys) if as_keys is not None else b"",
-    )

@@ -6,11 +6,13 @@ Shared by the gRPC server and client so both sides agree on one encoding: keys p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvtier.core.chunks import ChunkLocation, LookupStatus
 from kvtier.core.keys import pack_keys, unpack_keys
 from kvtier.store.api.events import EventBatch, EventKind, StoreEvent
 from kvtier.store.api.remote import FetchResult, FetchStatus
-from kvtier.store.api.types import AllocStatus, LeaseStatus
+from kvtier.store.api.types import AllocateResult, AllocStatus, LeaseStatus
 from kvtier.store.proto import store_pb2 as pb
 
 LOOKUP_STATUS = {
@@ -124,3 +126,30 @@ def batch_from_pb(msg: pb.EventBatch) -> EventBatch:
         for e in msg.events
     )
     return EventBatch(msg.node_id, msg.epoch, msg.seq, msg.timestamp, events)
+
+
+def allocated_from_pb(reply: pb.AllocateReply, epoch: int) -> AllocateResult:
+    """An allocation's reply, its extents of store incarnation ``epoch``."""
+    statuses = [ALLOC_STATUS_BACK[s] for s in reply.statuses]
+    allocated = iter(locations_from_pb(reply.allocated))
+    locations = [next(allocated) if s.value == "allocated" else None for s in statuses]
+    return AllocateResult(reply.lease_id, statuses, locations, epoch, reply.lease_ttl_s)
+
+
+def commit_request(
+    epoch: int,
+    lease_id: int,
+    keys: Sequence[bytes] | None,
+    checksums: Sequence[int],
+    as_ns_id: bytes,
+    as_keys: Sequence[bytes] | None,
+) -> pb.CommitRequest:
+    """A commit; with ``as_keys``, of placeholders under those names of ``as_ns_id``."""
+    return pb.CommitRequest(
+        epoch=epoch,
+        lease_id=lease_id,
+        keys=pack_keys(keys) if keys is not None else b"",
+        checksums=checksums,
+        as_ns_id=as_ns_id if as_keys is not None else b"",
+        as_keys=pack_keys(as_keys) if as_keys is not None else b"",
+    )

@@ -23,7 +23,7 @@ from kvtier.core.chunks import LookupStatus
 from kvtier.core.config import StoreConfig
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace, prompt_keys
-from kvtier.store.api.types import LeaseStatus
+from kvtier.store.api.types import CommitCall, LeaseStatus
 from kvtier.store.client import view_leases, wire
 from kvtier.store.client.control import ControlChannel
 from kvtier.store.client.grpc import GrpcStoreClient
@@ -269,3 +269,38 @@ def test_a_channel_refuses_a_socket_another_uid_serves() -> None:
     finally:
         proc.kill()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_placeholders_commit_under_their_names_on_both_paths(run_dir: Path) -> None:
+    """Pool space taken under placeholder keys (an engine's save slab) commits under the
+    chunks' names over the control socket and over gRPC alike, singly and in one batch, and
+    never into another tenant's namespace."""
+    store = start_store(run_dir, "16MiB", "held", remote=False)
+    fast = GrpcStoreClient(store.address)
+    slow = GrpcStoreClient(store.address, fast_control=False)
+    try:
+        assert fast.control is not None
+        ns_id = fast.register_namespace(NS, CHUNK)
+        other = fast.register_namespace(NS.model_copy(update={"cache_salt": "b"}), CHUNK)
+        for client, first in ((fast, 0), (slow, 20_000)):
+            held = [os.urandom(16) for _ in range(4)]
+            lease = client.allocate(ns_id, held, [CHUNK] * 4).lease_id
+            names = keys_of(first, 4)
+            with pytest.raises(KvtierError) as err:  # another tenant's namespace: refused
+                client.commit(lease, held[:1], [0], as_ns_id=other, as_keys=names[:1])
+            assert err.value.code is ErrorCode.PERMISSION_DENIED
+            assert client.commit(lease, held[:1], [0], as_ns_id=ns_id, as_keys=names[:1]) == 1
+            batch = [
+                CommitCall(lease, held[1:3], [0, 0], ns_id, names[1:3]),
+                CommitCall(lease, held[3:], [0], ns_id, names[:1]),  # a name already stored
+            ]
+            assert client.commit_many(batch) == [2, 0]
+            got = client.lookup(ns_id, names)
+            assert (got.stop, len(got.hits)) == (LookupStatus.MISS, 3)
+            assert client.lookup(other, names).stop is LookupStatus.MISS
+        stats = store_stats(store.address, store.pid)
+        assert stats is not None and stats["writing_bytes"] == 0 and stats["write_leases"] == 0
+    finally:
+        fast.close()
+        slow.close()
+        store.stop()

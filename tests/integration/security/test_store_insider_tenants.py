@@ -72,6 +72,38 @@ def test_another_namespaces_keys_answer_like_absent_ones(secure_store: SecureSto
         a.close()
 
 
+def test_placeholders_cannot_take_another_tenants_names(secure_store: SecureStore) -> None:
+    """Pool space an engine holds under placeholder keys commits under other names
+    (``as_keys``) only within its own tenant: into another tenant's namespace it is told what
+    a namespace never registered gets, and under a name another namespace holds it takes
+    nothing over (the placeholder is freed, not counted), so the victim's chunks stay."""
+    ns_a, victim = put_chunks(secure_store, TOKENS["engine-a"], "a", n=4)
+    b = client(secure_store, TOKENS["engine-b"])
+    try:
+        assert b.control is not None
+        ns_b = b.register_namespace(namespace("b"), CHUNK)
+        held = [bytes([i]) * 16 for i in range(1, 4)]
+        lease = b.allocate(ns_b, held, [CHUNK] * 3).lease_id
+        answers = []
+        for target in (ns_a, b"\7" * 16):  # the victim's namespace, one never registered
+            with pytest.raises(KvtierError) as err:
+                b.commit(lease, held[:1], [0], as_ns_id=target, as_keys=victim[:1])
+            answers.append((err.value.code, err.value.message.replace(target.hex(), "<ns>")))
+        assert answers[0] == answers[1] and answers[0][0] is ErrorCode.UNKNOWN_NAMESPACE
+        assert b.commit(lease, held[:2], [0, 0], as_ns_id=ns_b, as_keys=victim[:2]) == 0
+        assert b.lookup(ns_b, victim[:1]).stop is LookupStatus.MISS
+        assert b.abort(lease) == 1
+    finally:
+        b.close()
+    a = client(secure_store, TOKENS["engine-a"])
+    try:
+        assert a.register_namespace(namespace("a"), CHUNK) == ns_a
+        got = a.lookup(ns_a, victim)
+        assert (got.stop, len(got.hits)) == (LookupStatus.HIT, 4)
+    finally:
+        a.close()
+
+
 def test_another_tenants_namespace_answers_byte_for_byte_like_none(
     secure_store: SecureStore,
 ) -> None:

@@ -105,20 +105,24 @@ def test_a_store_restart_voids_held_space(make_rig) -> None:
     rig.steps_until(lambda: rig.stored(OTHER + PROMPT) == 10, "saves after the restart")
 
 
-def test_space_too_close_to_its_lease_end_is_never_used(make_rig) -> None:
-    """Write leases of 10 s, less than a slot must have left (15 s): the slab gives its space
-    back and every save asks the store, as without it."""
+def test_write_leases_too_short_to_hold_space_turn_it_off(make_rig) -> None:
+    """Write leases of 10 s, less than a slot must have left to be taken (15 s): the slab
+    gives its first space back and turns off (no churn of the store), and every save asks the
+    store, as without it."""
     rig = make_rig(served=True, save_held_chunks=8, store={"write_ttl_s": 10})
     rig.seed(OTHER)
+    slab = slab_of(rig)
+    rig.steps_until(lambda: not slab.enabled, "the slab off")
     for i in range(3):
         tokens = list(range(70000 + 1000 * i, 70000 + 1000 * i + 160))
         request = rig.request(f"r{i}", tokens)
         assert rig.admit(request) == 0
         rig.step([(request, 0, len(tokens))], finished=[request])
         rig.steps_until(lambda t=tokens: rig.stored(t) == 5, "an asked-for save")
-    counts = rig.counts()
-    assert counts.get("save_held_space", 0) == 0
-    assert counts["save_held_short"] == 3
+    assert rig.counts().get("save_held_space", 0) == 0
+    stats = rig.store.inner.stats
+    rig.until(lambda: stats()["write_leases"] == 0 and stats()["writing_bytes"] == 0)
+    assert rig.store.calls["allocate"] == 1 + 1 + 3  # the seed's, the one refill, the saves'
 
 
 def test_shutdown_gives_all_held_space_back(make_rig) -> None:
