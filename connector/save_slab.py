@@ -90,12 +90,13 @@ def holds_space(config: ConnectorConfig, geometry: KvGeometry, embedded: bool) -
 def slots_target(
     configured: int | None, step_tokens: int, chunk_tokens: int, chunk_bytes: int, pool_bytes: int
 ) -> int:
-    """Chunks per rank to hold: ``configured``, else one full prefill step's chunks (8 when
-    the step is not known), at most 1/32 of the pool."""
+    """Chunks per rank to hold: ``configured``, else two full prefill steps' chunks (16 when
+    the step is not known: a refill asked for at half, one step's, has a step to come back),
+    at most 1/32 of the pool."""
     if configured is not None:
         return configured
     step = -(-step_tokens // chunk_tokens) if step_tokens > 0 else 8
-    return min(max(step, 1), pool_bytes // chunk_bytes // 32)
+    return min(2 * max(step, 1), pool_bytes // chunk_bytes // 32)
 
 
 class SaveSlab:
@@ -153,7 +154,8 @@ class SaveSlab:
                 self._last_take[salt] = self._clock()
 
     def take(self, salt: str, ranks: Iterable[int], n: int) -> dict[int, list[Slot]] | None:
-        """``n`` slots on every rank of ``ranks`` for tenant ``salt``, or None (none taken)."""
+        """Up to ``n`` slots, as many on every rank of ``ranks``, for tenant ``salt``; None
+        when a rank has none."""
         now = self._clock()
         usable_after = now + self.min_life_s
         live = self._live()
@@ -168,7 +170,8 @@ class SaveSlab:
                         return None
                     while queue and (queue[0].expires < usable_after or not live(queue[0])):
                         retired.append(queue.popleft())
-                    if len(queue) < n:
+                    n = min(n, len(queue))
+                    if not n:
                         return None
                     queues.append((rank, queue))
                 return {rank: [queue.popleft() for _ in range(n)] for rank, queue in queues}

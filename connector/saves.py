@@ -210,14 +210,23 @@ class SavePlanner:
         computed_over = frozenset(real_blocks(geo, blocks, 0, end * bpc, self.null_block))
         chunk_blocks = [got for got in per_chunk if got is not None]  # every one, after the cut
         if self.slab is not None and self.slab.enabled and state.ns_ids is not None:
+            # the first chunks go into held space (as many as it has on every rank), the
+            # rest ask the store
             self.slab.note(state.salt, state.ns_ids)
             held = self.slab.take(state.salt, state.ns_ids, end - start)
             job = None
             if held is not None:
-                job = self._dispatch_held(state, start, end, chunk_blocks, computed_over, held)
+                upto = start + len(next(iter(held.values())))
+                over = computed_over if upto == end else frozenset(
+                    real_blocks(geo, blocks, 0, upto * bpc, self.null_block)
+                )  # fmt: skip
+                job = self._dispatch_held(state, start, upto, chunk_blocks, over, held)
             if job is not None:
                 jobs.append(job)
-                return None
+                chunk_blocks = chunk_blocks[upto - start :]
+                start = upto
+                if start == end:
+                    return None
             self._count(C.SAVE_HELD_SHORT, 1)
         future: Future[dict[int, AllocateResult]] = Future()
         asks.append(AllocationAsk(future, state, start, end))
@@ -306,7 +315,7 @@ class SavePlanner:
             segments[rank] = segment
             chunks[rank] = [
                 ChunkCopy(slot.location.extents, 0, 0, ids, slot.key, group)
-                for slot, groups in zip(slots, chunk_blocks, strict=True)
+                for slot, groups in zip(slots, chunk_blocks[: end - start], strict=True)
                 for group, ids in groups
             ]
         self._count(C.SAVE_HELD_SPACE, end - start)

@@ -108,9 +108,12 @@ def bench_decode_overhead(
         str,
         typer.Option(
             help="vllm (the floor), vllm-noop (a connector doing nothing), kvtier-embedded, "
-            "kvtier-store, kvtier-store-grpc, kvtier-store-held"
+            "kvtier-store, kvtier-store-grpc, kvtier-store-held, kvtier-store-asked"
         ),
     ] = "vllm,vllm-noop,kvtier-embedded,kvtier-store",
+    preset: Annotated[
+        str, typer.Option(help="random model preset (cpu-bench-swa: a sliding window)")
+    ] = "cpu-bench",
     json_out: JsonOut = None,
 ) -> None:
     """TPOT and TTFT of one vLLM server with and without kvtier's connector, same workload."""
@@ -120,7 +123,9 @@ def bench_decode_overhead(
     unknown = [c for c in chosen if c not in decode_overhead.CONFIGS]
     if not chosen or unknown:
         raise typer.BadParameter(f"configs: any of {', '.join(decode_overhead.CONFIGS)}")
-    settings = decode_overhead.Settings(repeats, requests, concurrency, prompt_tokens, max_tokens)
+    settings = decode_overhead.Settings(
+        repeats, requests, concurrency, prompt_tokens, max_tokens, preset=preset
+    )
     report = decode_overhead.run(settings, chosen)
     decode_overhead.print_report(report, settings)
     write_report(decode_overhead.to_json(report, settings), json_out)

@@ -17,7 +17,10 @@ interleaved repeat by repeat so a machine's drift hits all of them alike:
   ``store.fast_control``, kept to compare);
 - ``kvtier-store-held``: ``kvtier-store`` with pool space held ahead for saves
   (``save_held_chunks = 32``; unset, a full-attention model holds none: every save asks the
-  store and goes out a step later).
+  store and goes out a step later);
+- ``kvtier-store-asked``: ``kvtier-store`` holding none (``save_held_chunks = 0``): what
+  held space changes for a model that holds it unset (``--preset cpu-bench-swa``, a sliding
+  window: prompts longer than its 1,024 tokens let the window free blocks).
 
 The workload: ``requests`` distinct random prompts (every one a miss, so every prompt's
 chunks are saved while other requests decode), ``concurrency`` streams at a time,
@@ -64,6 +67,7 @@ CONFIGS = (
     "kvtier-store",
     "kvtier-store-grpc",
     "kvtier-store-held",
+    "kvtier-store-asked",
 )
 
 
@@ -79,12 +83,35 @@ class Settings:
     pool: str = "256MiB"
 
 
+# the connector's counters of what the saves became (vllm:kvtier_<name>): the table shows
+# the first two, the JSON report all
+SAVE_COUNTERS = (
+    "committed_chunks",
+    "save_errors",
+    "saved_chunks",
+    "save_allocated",
+    "save_deferred",
+    "save_no_space",
+    "save_alloc_timeouts",
+    "save_held_space",
+    "save_held_duplicates",
+    "save_held_short",
+)
+
+
+def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """A kvtier counter's growth over the run (prometheus_client's ``_total`` or not)."""
+    key = f"vllm:kvtier_{name}"
+    return sum(after.get(k, 0.0) - before.get(k, 0.0) for k in (key, f"{key}_total"))
+
+
 @dataclass
 class Samples:
     results: list[ReplayResult] = field(default_factory=list)  # every repeat's, pooled
     per_repeat_tpot_p50: list[float] = field(default_factory=list)
     steps: float = 0.0  # engine steps of the measured runs
     hook_s: dict[str, float] = field(default_factory=lambda: {"scheduler": 0.0, "worker": 0.0})
+    saves: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SAVE_COUNTERS, 0.0))
 
     def hook_ms_per_step(self) -> dict[str, float]:
         """What the engine spent in kvtier's hooks per step, as vLLM's metrics say."""
@@ -128,6 +155,8 @@ def _serve_once(
                 extra["store"] = {"fast_control": False}
             if config == "kvtier-store-held":
                 extra["save_held_chunks"] = 32
+            if config == "kvtier-store-asked":
+                extra["save_held_chunks"] = 0
         extra_args = ["--kv-transfer-config", json.dumps(kvtier_transfer_config(extra))]
     server = VllmServer(
         model, workdir / f"{config}.log", kv_cache_bytes=s.kv_cache_bytes, extra_args=extra_args,
@@ -139,7 +168,10 @@ def _serve_once(
         before = counters(server.url)
         results = _replay(server.url, _prompts(s.requests, s.prompt_tokens, seed), s)
         time.sleep(1.0)  # vLLM's front end has the last steps' stats
-        return results, engine_figures({"e": before}, {"e": counters(server.url)})
+        after = counters(server.url)
+        engine = engine_figures({"e": before}, {"e": after})
+        engine["saves"] = {name: _delta(before, after, name) for name in SAVE_COUNTERS}
+        return results, engine
     finally:
         server.stop()
         if store is not None:
@@ -160,6 +192,8 @@ def run(s: Settings, configs: tuple[str, ...] = CONFIGS) -> dict[str, Samples]:
                 samples.steps += engine["steps"]
                 for role, seconds in engine["hook_seconds"].items():
                     samples.hook_s[role] += seconds
+                for name, n in engine["saves"].items():
+                    samples.saves[name] += n
                 samples.per_repeat_tpot_p50.append(
                     statistics.median(r.tpot_s for r in results if r.tpot_s is not None)
                 )
@@ -187,6 +221,7 @@ def to_json(report: dict[str, Samples], s: Settings) -> dict:
                 "requests": len(x.results),
                 "engine_steps": x.steps,
                 "hook_ms_per_step": x.hook_ms_per_step(),
+                "saves": x.saves,
             }
             for c, x in report.items()
         },
@@ -205,6 +240,7 @@ def print_report(report: dict[str, Samples], s: Settings) -> None:
     columns = (
         "configuration", "TPOT p50 / p90 ms", "TPOT p50 per repeat ms", "TTFT p50 / p90 ms",
         "E2E p50 / p90 ms", "steps", "kvtier hooks ms / step (scheduler / worker)",
+        "chunks committed / save errors",
     )  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
@@ -218,5 +254,6 @@ def print_report(report: dict[str, Samples], s: Settings) -> None:
             f"{f['e2e']['p50']:.0f} / {f['e2e']['p90']:.0f}",
             f"{x.steps:.0f}",
             " / ".join(f"{v:.2f}" for v in x.hook_ms_per_step().values()),
+            " / ".join(f"{x.saves[name]:.0f}" for name in SAVE_COUNTERS[:2]),
         )
     console().print(table)

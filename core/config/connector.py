@@ -120,11 +120,11 @@ class ConnectorConfig(Section):
         "store (refilled off the scheduler thread), so a step's saves never wait for the "
         "store: the copy goes out in the step that computed the chunks. Unset: for a model "
         "with a sliding window, local attention or Mamba state (whose blocks a save sent a "
-        "step later may find freed) the chunks of one full prefill step, at most 1/32 of the "
+        "step later may find freed) the chunks of two full prefill steps, at most 1/32 of the "
         "pool; off for full attention. 0: off (every save asks the store)",
         json_schema_extra={
-            "default_doc": "max_num_batched_tokens / chunk_tokens (≤ pool/32) for a model whose "
-            "blocks do not stay; off for full attention"
+            "default_doc": "2 * max_num_batched_tokens / chunk_tokens (at most pool/32) for a "
+            "model whose blocks do not stay; off for full attention"
         },
     )
     save_defer_s: float = Field(

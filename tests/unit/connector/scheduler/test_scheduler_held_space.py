@@ -139,3 +139,17 @@ def test_unset_holds_space_only_for_a_model_whose_blocks_may_go(make_rig) -> Non
     later loses nothing): unset, nothing is held; an embedded store never holds any."""
     assert make_rig(served=True).sched.saves.slab is None
     assert make_rig(save_held_chunks=8).sched.saves.slab is None  # embedded
+
+
+def test_a_save_larger_than_the_space_held_takes_it_and_asks_for_the_rest(make_rig) -> None:
+    rig = make_rig(served=True, save_held_chunks=3, save_wait_s=1.0)
+    warm(rig, OTHER, at_least=3)
+    request = rig.request("r", PROMPT)  # five chunks: three held, two asked for
+    assert rig.admit(request) == 0
+    step = rig.step([(request, 0, len(PROMPT))], finished=[request])
+    assert len(step.meta.saves) == 2  # both out with this step (the asked part waited)
+    rig.steps_until(lambda: rig.stored(PROMPT) == 5, "both parts committed")  # bytes checked
+    counts = rig.counts()
+    assert counts["save_held_space"] == 3 and counts["save_held_short"] == 1
+    assert counts["committed_chunks"] == 5
+    rig.steps_until(lambda: rig.writing_bytes() == 0 and rig.write_leases() == 0, "no leftovers")
