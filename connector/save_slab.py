@@ -24,8 +24,8 @@ Contracts:
   the commit (the store would otherwise free the pages under a late copy). Older slots are
   given back by the next refill; slots of an ended session (``PoolTier.session_generation``)
   or another store incarnation are forgotten (the store already took them back).
-- ``take`` is all or nothing over a request's TP ranks: a chunk commits only once every
-  rank copied it.
+- ``take`` gives every rank of a request as many slots (up to what each has): a chunk
+  commits only once every rank copied it; ``SavePlanner`` asks the store for the rest.
 - Nothing here ever waits for the store on the scheduler thread: refills and give-backs run
   on the allocation executor (FIFO, one thread), one refill in flight at a time.
 
@@ -212,13 +212,13 @@ class SaveSlab:
             self._slots.clear()
         self.give_back(held)
 
-    # -- allocation executor -----------------------------------------------------------------
-
     def _live(self) -> Callable[[Slot], bool]:
         """Whether a slot belongs to the store incarnation and session attached now (else
-        the store already took it back: a restart, or its session ended)."""
+        the store already took it back: a restart, or its session ended). Either thread."""
         generation, epoch = self.tier.session_generation, self.tier.epoch
         return lambda slot: slot.generation == generation and slot.epoch == epoch
+
+    # -- allocation executor -----------------------------------------------------------------
 
     def _refill(self) -> None:
         try:
