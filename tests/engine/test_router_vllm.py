@@ -195,7 +195,12 @@ def test_the_load_read_from_a_live_vllm_page_equals_a_full_parse(fleet: Fleet) -
         lines = resp.iter_lines()
         while not next(lines).startswith("data: "):  # generating now
             pass
+        # vLLM's front end publishes the engine's gauges a little after the first token
+        deadline = time.monotonic() + 10
         page = httpx.get(f"{url}/metrics", timeout=10).text
+        while engine_load(page).running == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            page = httpx.get(f"{url}/metrics", timeout=10).text
     load = engine_load(page)
     assert load == full_parse(page)
     assert load.running == 1
