@@ -61,6 +61,23 @@ FORWARD_ERRORS = (aiohttp.ClientError, TimeoutError)
 INSTANCE_HEADER = "x-kvtier-instance"  # which instance answered (debugging, the demo)
 
 
+def _still_buffered(content: aiohttp.StreamReader) -> bytes:
+    """What aiohttp received before the connection broke and has not handed out yet.
+
+    Its reader raises a broken transfer before the data buffered with it (``readany``
+    checks the exception first), so the last bytes an engine sent right before dying would
+    be lost to the client. aiohttp offers no public read past the exception: this takes
+    its buffer by the private ``_read_nowait`` (aiohttp 3.x), and gives nothing where
+    that is not there.
+    """
+    try:
+        if not getattr(content, "_buffer", None):
+            return b""
+        return bytes(content._read_nowait(-1))
+    except Exception:  # another aiohttp: the bytes are lost, the error event still goes
+        return b""
+
+
 def error(status: int, message: str, kind: str, retry_after: float | None = None) -> Response:
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
     body = {"error": {"message": message, "type": kind, "code": status}}
@@ -395,6 +412,10 @@ class Proxy:
                 yield chunk
         except FORWARD_ERRORS as exc:  # after bytes went out: no retry, say so in the stream
             outcome = f"stream failed: {exc!r}"
+            left = _still_buffered(upstream.content)
+            if left:  # tokens the engine sent before it broke: the client gets them first
+                self._realized(left)
+                yield left
             self.metrics.stream_errors.inc()
             if self.backends.eject(backend, "stream failed"):
                 self.metrics.ejections.labels("stream").inc()
