@@ -345,7 +345,7 @@ def run_config(
 def _free_pool(run_dir: Path) -> None:
     """Stopping the server kills its engine before the connector closes its embedded store:
     remove the pool segment it leaves (expected, so the store's warning is not shown)."""
-    from kvtier.store.node import cleanup_stale_segments
+    from kvtier.store.run_dir import cleanup_stale_segments
 
     node_log = logging.getLogger("kvtier.store.node")
     level = node_log.level

@@ -23,7 +23,7 @@ from kvtier.store.api.events import EventKind
 from kvtier.store.api.remote import FetchStatus
 from kvtier.store.client.grpc import GrpcStoreClient
 from kvtier.store.client.shm import SharedSegment, checksum_views
-from kvtier.store.node import cleanup_stale_segments
+from kvtier.store.run_dir import cleanup_stale_segments
 from kvtier.testing.ports import free_port
 from kvtier.tiers.cpu import CpuTier
 

@@ -28,7 +28,8 @@ from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace, prompt_keys, salt_digest
 from kvtier.store.api.types import AllocStatus, LeaseStatus
 from kvtier.store.client.shm import SHM_DIR
-from kvtier.store.node import NodeStore, cleanup_stale_segments
+from kvtier.store.node import NodeStore
+from kvtier.store.run_dir import cleanup_stale_segments
 from kvtier.store.server.metrics import StoreCollector
 from kvtier.store.state.core import StoreCore
 from kvtier.store.state.limits import StoreLimits
