@@ -85,7 +85,7 @@ def router_epp(
 ) -> None:
     """Serve the Gateway API Inference Extension's endpoint picker (Envoy ext_proc gRPC) for an
     InferencePool, choosing each request's pod with the same scoring as ``serve``."""
-    from kvtier.router.epp import serve
+    from kvtier.router.epp_service import serve
 
     config = load_config(
         config_file,

@@ -27,7 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvtier.core.auth import Authenticator
 from kvtier.core.config.auth import AuthConfig
 from kvtier.core.config.router import RouterConfig
-from kvtier.router.epp import Epp, EppServer, endpoint_of
+from kvtier.router.epp import endpoint_of
+from kvtier.router.epp_service import Epp, EppServer
 
 from support.ext_proc import (
     BODY,
