@@ -121,9 +121,13 @@ def test_chunked_local_concurrent_requests_with_corrupt_chunks(local: DrillConte
 
 def test_tp2_one_rank_corrupt_recomputes_on_every_rank(tp2: DrillContext) -> None:
     result = run(tp2, "checksum-mismatch")
-    assert result.recomputes == REQUESTS
+    # every B request meets the fault; on a loaded host a chunk the fault overwrote without
+    # its load meeting it can fail a later load too (one more recompute, never a wrong token)
+    assert result.recomputes >= REQUESTS, result.counters
     # the failing step's new chunks were computed over rank 0's unloaded blocks: on both
     # ranks none is committed (a chunk commits only once every rank copied it)
     assert result.counters["saves_discarded_after_failed_load"] >= 3 * REQUESTS, result.counters
-    assert result.counters["corrupt_chunks_deleted"] == REQUESTS  # rank 0's, exactly
+    # at most one chunk deleted per failed load: rank 0's copy, never rank 1's sound one too
+    deleted = result.counters["corrupt_chunks_deleted"]
+    assert REQUESTS <= deleted <= result.recomputes, result.counters
     assert result.hits.get("host", 0) > 0
