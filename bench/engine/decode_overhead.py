@@ -28,7 +28,10 @@ chunks are saved while other requests decode), ``concurrency`` streams at a time
 (``trace/replay.py``: TTFT and TPOT per request on the client's clock, summarised by
 ``trace/summary.py``). A warm-up batch runs first. Beside TPOT it reports, from vLLM's
 ``/metrics``, the engine steps of the measured runs and the ms per step the engine spent in
-kvtier's hooks (``vllm:kvtier_{scheduler,worker}_hook_seconds``).
+kvtier's hooks (``vllm:kvtier_{scheduler,worker}_hook_seconds``), and the CPU seconds the
+server's processes (API server, engine, workers) and the node store spent on the measured
+runs (``/proc``: user + system), per request. CPU time moves less than TPOT from repeat to
+repeat on a shared VM, so a cost too small for TPOT to show shows there.
 
 The question it answers: does the connector's per-step work (save planning, copies into the
 pool) slow decoding? It isolates the connector from a cluster's other processes (router,
@@ -44,10 +47,12 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 from tqdm import tqdm
 
 from kvtier.bench.cluster.figures import engine_figures, ms_per_step
@@ -112,6 +117,11 @@ class Samples:
     steps: float = 0.0  # engine steps of the measured runs
     hook_s: dict[str, float] = field(default_factory=lambda: {"scheduler": 0.0, "worker": 0.0})
     saves: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SAVE_COUNTERS, 0.0))
+    cpu_s: dict[str, float] = field(default_factory=lambda: {"engine": 0.0, "store": 0.0})
+
+    def cpu_ms_per_request(self) -> dict[str, float]:
+        n = len(self.results)
+        return {who: 1e3 * seconds / n if n else 0.0 for who, seconds in self.cpu_s.items()}
 
     def hook_ms_per_step(self) -> dict[str, float]:
         """What the engine spent in kvtier's hooks per step, as vLLM's metrics say."""
@@ -130,6 +140,21 @@ def _replay(url: str, prompts: list[list[int]], s: Settings) -> list[ReplayResul
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(results)} requests failed: {failed[0].error}")
     return results
+
+
+def _cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU seconds of the processes ``pids`` and every descendant alive now
+    (the processes a server starts live as long as it does)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                times = proc.cpu_times()
+                total += times.user + times.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
 
 
 def _prompts(n: int, tokens: int, seed: int) -> list[list[int]]:
@@ -166,11 +191,18 @@ def _serve_once(
         server.wait_ready()
         _replay(server.url, _prompts(s.concurrency, s.prompt_tokens, 10**6 + seed), s)  # warm-up
         before = counters(server.url)
+        store_pids = [store.pid] if store is not None else []
+        cpu_before = _cpu_seconds([server.proc.pid]), _cpu_seconds(store_pids)
         results = _replay(server.url, _prompts(s.requests, s.prompt_tokens, seed), s)
         time.sleep(1.0)  # vLLM's front end has the last steps' stats
         after = counters(server.url)
+        cpu_after = _cpu_seconds([server.proc.pid]), _cpu_seconds(store_pids)
         engine = engine_figures({"e": before}, {"e": after})
         engine["saves"] = {name: _delta(before, after, name) for name in SAVE_COUNTERS}
+        engine["cpu_s"] = {
+            "engine": cpu_after[0] - cpu_before[0],
+            "store": cpu_after[1] - cpu_before[1],
+        }
         return results, engine
     finally:
         server.stop()
@@ -194,6 +226,8 @@ def run(s: Settings, configs: tuple[str, ...] = CONFIGS) -> dict[str, Samples]:
                     samples.hook_s[role] += seconds
                 for name, n in engine["saves"].items():
                     samples.saves[name] += n
+                for who, seconds in engine["cpu_s"].items():
+                    samples.cpu_s[who] += seconds
                 samples.per_repeat_tpot_p50.append(
                     statistics.median(r.tpot_s for r in results if r.tpot_s is not None)
                 )
@@ -222,6 +256,7 @@ def to_json(report: dict[str, Samples], s: Settings) -> dict:
                 "engine_steps": x.steps,
                 "hook_ms_per_step": x.hook_ms_per_step(),
                 "saves": x.saves,
+                "cpu_ms_per_request": x.cpu_ms_per_request(),
             }
             for c, x in report.items()
         },
@@ -240,7 +275,7 @@ def print_report(report: dict[str, Samples], s: Settings) -> None:
     columns = (
         "configuration", "TPOT p50 / p90 ms", "TPOT p50 per repeat ms", "TTFT p50 / p90 ms",
         "E2E p50 / p90 ms", "steps", "kvtier hooks ms / step (scheduler / worker)",
-        "chunks committed / save errors",
+        "chunks committed / save errors", "CPU ms / request (engine / store)",
     )  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
@@ -255,5 +290,6 @@ def print_report(report: dict[str, Samples], s: Settings) -> None:
             f"{x.steps:.0f}",
             " / ".join(f"{v:.2f}" for v in x.hook_ms_per_step().values()),
             " / ".join(f"{x.saves[name]:.0f}" for name in SAVE_COUNTERS[:2]),
+            " / ".join(f"{v:.1f}" for v in x.cpu_ms_per_request().values()),
         )
     console().print(table)
