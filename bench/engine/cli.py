@@ -44,7 +44,7 @@ def bench_tier_latency(
     ] = None,
 ) -> None:
     """TTFT of miss / GPU hit / DRAM hit (and peers) by prefix length, tiers verified."""
-    from kvtier.bench.engine import tier_latency
+    from kvtier.bench.engine import tier_latency, tier_latency_report
 
     report = tier_latency.run(
         [int(x) for x in lengths.split(",")],
@@ -55,13 +55,14 @@ def bench_tier_latency(
         suffix=suffix,
         progress=typer.echo,
     )
-    tier_latency.print_report(report)
+    tier_latency_report.print_report(report)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tier-latency.json").write_text(json.dumps(tier_latency.to_json(report), indent=2))
-    tier_latency.plot(report, out / "tier-latency.png")
+    figures = tier_latency_report.to_json(report)
+    (out / "tier-latency.json").write_text(json.dumps(figures, indent=2))
+    tier_latency_report.plot(report, out / "tier-latency.png")
     typer.echo(f"wrote {out}/tier-latency.json and tier-latency.png")
     if kappa_out is not None:
-        table = tier_latency.kappa_table(report)
+        table = tier_latency_report.kappa_table(report)
         kappa_out.parent.mkdir(parents=True, exist_ok=True)
         kappa_out.write_text(
             json.dumps({t: {str(n): k for n, k in pts.items()} for t, pts in table.items()})
