@@ -1,9 +1,12 @@
 """A killed engine frees its pins in seconds, not at its leases' TTL: a real store, a real
 client process holding 300 s leases, SIGKILLed; its session ends, and what it pinned is
-evictable again (the session state machine: tests/unit/store/test_sessions.py)."""
+evictable again (the session state machine: tests/unit/store/test_sessions.py). The same for
+the pool space a real vLLM engine holds ahead for its saves."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,10 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.types import AllocStatus
 from kvtier.store.client.grpc import GrpcStoreClient
+from kvtier.testing.models import make_model
+from kvtier.testing.services import start_store, store_stats
+from kvtier.testing.vllm_driver import kvtier_transfer_config
+from kvtier.testing.vllm_server import VllmServer
 from kvtier.tiers.cpu import CpuTier
 
 from support.helpers import start_store_process
@@ -188,4 +196,57 @@ def test_killed_engine_frees_the_pins_it_took_itself(run_dir: Path) -> None:
             child.kill()
             child.wait()
         admin.close()
+        store.stop()
+
+
+@pytest.mark.vllm
+def test_killed_engine_frees_the_pool_space_it_held_for_saves(run_dir: Path) -> None:
+    """A real vLLM engine holding pool space ahead for its saves (``save_held_chunks``:
+    placeholders under a write lease of its session, ``connector/save_slab.py``) is
+    SIGKILLed with the whole of its process group: the store ends its session within seconds,
+    long before the write leases' TTL, quarantines the held pages (a write the store did not
+    see end may still land: ``ended_write_quarantine_s``, 30 s) and then frees every one."""
+    # a 1 s session timeout: the drill waits for the session to end, not for its default 5 s
+    env = {"KVTIER_STORE__SESSION_TIMEOUT_S": "1", "KVTIER_STORE__WRITE_TTL_S": "120"}
+    store = start_store(run_dir / "store", "64MiB", "held-drill", remote=False, env=env)
+    extra = {"store_address": store.address, "chunk_tokens": 64, "save_held_chunks": 8}
+    server = VllmServer(
+        make_model(run_dir / "model"),
+        run_dir / "vllm.log",
+        extra_args=["--kv-transfer-config", json.dumps(kvtier_transfer_config(extra))],
+        env={"KVTIER_STORE__RUN_DIR": str(run_dir / "store")},
+    )
+
+    def stats() -> dict:
+        got = store_stats(store.address, store.pid)
+        assert got is not None, "the store exited"
+        return got
+
+    try:
+        server.wait_ready()
+        server.complete(list(range(10, 310)))  # a miss: its 4 chunks saved, the slab noted
+        wait_for(lambda: stats()["writing_bytes"] > 0, 60, "the engine to hold pool space")
+        held = stats()
+        assert held["sessions"] >= 1 and held["write_leases"] >= 1, held
+        assert held["chunks"] >= 4, held  # the prompt's saves committed beside the held space
+
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(30)
+        took = wait_for(
+            lambda: (s := stats())["writing_bytes"] == 0 and s["sessions"] == 0,
+            60,
+            "the killed engine's held pool space to be freed",
+        )
+        assert took < 60  # by the session's end, not the write leases' 120 s TTL
+        ended = stats()
+        assert ended["write_leases"] == 0 and ended["sessions_expired"] >= 1, ended
+        assert ended["quarantined_bytes"] == held["writing_bytes"], (held, ended)
+        wait_for(
+            lambda: stats()["free_bytes"] == held["free_bytes"] + held["writing_bytes"],
+            90,
+            "the quarantined pages to be free again",
+        )
+        assert stats()["quarantined_bytes"] == 0
+    finally:
+        server.stop()
         store.stop()
