@@ -106,10 +106,11 @@ def advise_mamba_steps(step_tokens: int, chunk_tokens: int) -> None:
     if chunk_tokens % step_tokens:
         log.warning(
             "kvtier: a Mamba hybrid's chunk is saved only where vLLM wrote the recurrent "
-            "state, at the end of a prefill step; max_num_batched_tokens=%d does not divide "
-            "chunk_tokens=%d, so most of a long prompt's chunks are not saved (a later prompt "
-            "recomputes them, never a wrong token). For a state at every chunk boundary set "
-            "--max-num-batched-tokens %d.",
+            "state, at the end of a prefill step, and a hit needs every chunk before it; "
+            "max_num_batched_tokens=%d does not divide chunk_tokens=%d, so a prompt prefilled "
+            "in one step saves at most its last chunk and this model gets next to no hits "
+            "from the node's pool (a later prompt recomputes them, never a wrong token). For a "
+            "state at every chunk boundary set --max-num-batched-tokens %d.",
             step_tokens,
             chunk_tokens,
             chunk_tokens,
