@@ -190,7 +190,12 @@ def test_the_load_read_from_a_live_vllm_page_equals_a_full_parse(fleet: Fleet) -
     """``engine_load`` reads three gauges off the page; the full parse it replaced reads all
     of it: the same numbers from a vLLM serving a request (so running is not 0)."""
     url = fleet.servers[0].url
-    body = {"model": MODEL_NAME, "prompt": words(8, 50), "max_tokens": 400, "stream": True}
+    # generating until the stream is closed below: a random model may sample its end-of-text
+    # token early (a request finished before vLLM published it running read running=0)
+    body = {
+        "model": MODEL_NAME, "prompt": words(8, 50), "max_tokens": 1500, "ignore_eos": True,
+        "stream": True,
+    }  # fmt: skip
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
         lines = resp.iter_lines()
         while not next(lines).startswith("data: "):  # generating now
