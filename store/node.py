@@ -28,7 +28,7 @@ import os
 import re
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -157,6 +157,8 @@ class NodeStore(StoreClient, StoreAdmin):
                 raise
         self.transfer_address = self.remote.address if self.remote else ""
         self.control_socket = ""  # set by the service serving one (store.server.control)
+        # its message counts, set with it (``ControlServer.stats``)
+        self.control_stats: Callable[[], dict[str, int]] | None = None
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="kvtier-reaper", daemon=True)
         self._reaper.start()
@@ -266,6 +268,8 @@ class NodeStore(StoreClient, StoreAdmin):
             stats.update(self.disk.stats())
         if self._view is not None:
             stats.update(self._view.stats())
+        if self.control_stats is not None:
+            stats.update(self.control_stats())
         return stats
 
     def snapshot(self) -> Snapshot:

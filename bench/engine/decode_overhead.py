@@ -30,8 +30,11 @@ chunks are saved while other requests decode), ``concurrency`` streams at a time
 ``/metrics``, the engine steps of the measured runs and the ms per step the engine spent in
 kvtier's hooks (``vllm:kvtier_{scheduler,worker}_hook_seconds``), and the CPU seconds the
 server's processes (API server, engine, workers) and the node store spent on the measured
-runs (``/proc``: user + system), per request. CPU time moves less than TPOT from repeat to
-repeat on a shared VM, so a cost too small for TPOT to show shows there.
+runs (``/proc``: user + system), per request. The engine's figure includes vLLM's own
+processes polling for work, which grows with a run's wall time: it follows TPOT more than it
+isolates the connector's work; the store's figure is the store's work alone. With a node store,
+also the messages its control socket received per engine step and the calls they carried
+(``control_messages`` / ``control_calls`` in the store's stats: a step's batch is one message).
 
 The question it answers: does the connector's per-step work (save planning, copies into the
 pool) slow decoding? It isolates the connector from a cluster's other processes (router,
@@ -59,7 +62,7 @@ from kvtier.bench.cluster.figures import engine_figures, ms_per_step
 from kvtier.bench.cluster.procs import counters
 from kvtier.testing import noop_connector
 from kvtier.testing.models import make_model
-from kvtier.testing.services import start_store
+from kvtier.testing.services import start_store, store_stats
 from kvtier.testing.vllm_driver import kvtier_transfer_config
 from kvtier.testing.vllm_server import MODEL_NAME, VllmServer
 from kvtier.traces.replay import Replayer, ReplayItem, ReplayOptions, ReplayResult
@@ -118,6 +121,11 @@ class Samples:
     hook_s: dict[str, float] = field(default_factory=lambda: {"scheduler": 0.0, "worker": 0.0})
     saves: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SAVE_COUNTERS, 0.0))
     cpu_s: dict[str, float] = field(default_factory=lambda: {"engine": 0.0, "store": 0.0})
+    control: dict[str, float] = field(default_factory=lambda: {"messages": 0.0, "calls": 0.0})
+
+    def control_per_step(self) -> dict[str, float]:
+        """Control-socket messages and calls per engine step (0 without a node store)."""
+        return {k: v / self.steps if self.steps else 0.0 for k, v in self.control.items()}
 
     def cpu_ms_per_request(self) -> dict[str, float]:
         n = len(self.results)
@@ -157,6 +165,16 @@ def _cpu_seconds(pids: Iterable[int]) -> float:
     return total
 
 
+def _control(store: Any) -> dict[str, float]:
+    """The node store's control-socket counts now (zeros without a store)."""
+    stats = store_stats(store.address, store.pid) if store is not None else None
+    stats = stats or {}
+    return {
+        "messages": float(stats.get("control_messages", 0)),
+        "calls": float(stats.get("control_calls", 0)),
+    }
+
+
 def _prompts(n: int, tokens: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, 4000) for _ in range(tokens)] for _ in range(n)]
@@ -193,16 +211,19 @@ def _serve_once(
         before = counters(server.url)
         store_pids = [store.pid] if store is not None else []
         cpu_before = _cpu_seconds([server.proc.pid]), _cpu_seconds(store_pids)
+        control_before = _control(store)
         results = _replay(server.url, _prompts(s.requests, s.prompt_tokens, seed), s)
         time.sleep(1.0)  # vLLM's front end has the last steps' stats
         after = counters(server.url)
         cpu_after = _cpu_seconds([server.proc.pid]), _cpu_seconds(store_pids)
+        control_after = _control(store)
         engine = engine_figures({"e": before}, {"e": after})
         engine["saves"] = {name: _delta(before, after, name) for name in SAVE_COUNTERS}
         engine["cpu_s"] = {
             "engine": cpu_after[0] - cpu_before[0],
             "store": cpu_after[1] - cpu_before[1],
         }
+        engine["control"] = {k: control_after[k] - control_before[k] for k in control_after}
         return results, engine
     finally:
         server.stop()
@@ -228,6 +249,8 @@ def run(s: Settings, configs: tuple[str, ...] = CONFIGS) -> dict[str, Samples]:
                     samples.saves[name] += n
                 for who, seconds in engine["cpu_s"].items():
                     samples.cpu_s[who] += seconds
+                for what, n in engine["control"].items():
+                    samples.control[what] += n
                 samples.per_repeat_tpot_p50.append(
                     statistics.median(r.tpot_s for r in results if r.tpot_s is not None)
                 )
@@ -257,6 +280,7 @@ def to_json(report: dict[str, Samples], s: Settings) -> dict:
                 "hook_ms_per_step": x.hook_ms_per_step(),
                 "saves": x.saves,
                 "cpu_ms_per_request": x.cpu_ms_per_request(),
+                "control_per_step": x.control_per_step(),
             }
             for c, x in report.items()
         },
@@ -276,6 +300,7 @@ def print_report(report: dict[str, Samples], s: Settings) -> None:
         "configuration", "TPOT p50 / p90 ms", "TPOT p50 per repeat ms", "TTFT p50 / p90 ms",
         "E2E p50 / p90 ms", "steps", "kvtier hooks ms / step (scheduler / worker)",
         "chunks committed / save errors", "CPU ms / request (engine / store)",
+        "store messages / calls per step",
     )  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
@@ -291,5 +316,6 @@ def print_report(report: dict[str, Samples], s: Settings) -> None:
             " / ".join(f"{v:.2f}" for v in x.hook_ms_per_step().values()),
             " / ".join(f"{x.saves[name]:.0f}" for name in SAVE_COUNTERS[:2]),
             " / ".join(f"{v:.1f}" for v in x.cpu_ms_per_request().values()),
+            " / ".join(f"{v:.2f}" for v in x.control_per_step().values()),
         )
     console().print(table)

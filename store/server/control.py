@@ -103,8 +103,22 @@ class ControlServer:
             op: (getattr(StoreServicer, name).__wrapped__, message)
             for op, (name, message) in OPS.items()
         }
+        # frames received and the calls they carried (a BATCH carries several): what an
+        # engine's steps cost the store in messages (``kvtier bench decode-overhead``)
+        self._messages = 0
+        self._calls = 0
+        self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept, name="kvtier-ctl", daemon=True)
         self._thread.start()
+
+    def stats(self) -> dict[str, int]:
+        with self._count_lock:
+            return {"control_messages": self._messages, "control_calls": self._calls}
+
+    def _counted(self, calls: int) -> None:
+        with self._count_lock:
+            self._messages += 1
+            self._calls += calls
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -128,9 +142,12 @@ class ControlServer:
                 while True:
                     op, payload = recv_frame(conn)  # too large a frame: dropped
                     if op == BATCH:
-                        conn.sendall(self._batch(payload))
+                        reply, calls = self._batch(payload)
+                        conn.sendall(reply)
                     else:
                         conn.sendall(self._answer(op, payload))
+                        calls = 1
+                    self._counted(calls)
         except (ConnectionError, OSError, KvtierError):
             pass
         finally:
@@ -175,7 +192,8 @@ class ControlServer:
             body = error_payload(KvtierError(ErrorCode.INTERNAL, repr(exc)))
         return HEADER.pack(len(body), ERROR) + body
 
-    def _batch(self, payload: bytes) -> bytes:
+    def _batch(self, payload: bytes) -> tuple[bytes, int]:
+        """A BATCH's reply frame and how many calls it carried."""
         replies, at = [], 0
         while at < len(payload):
             length, op = HEADER.unpack_from(payload, at)
@@ -183,7 +201,7 @@ class ControlServer:
             replies.append(self._answer(op, payload[at : at + length]))
             at += length
         body = b"".join(replies)
-        return HEADER.pack(len(body), OK) + body
+        return HEADER.pack(len(body), OK) + body, len(replies)
 
     def stop(self) -> None:
         self._closed.set()

@@ -135,6 +135,11 @@ _TENANT_GAUGES = {
     "disk_tenant_quota_bytes": "Most bytes of chunk files a tenant may hold on the disk tier",
     "disk_tenant_floor_bytes": "Bytes of a tenant's chunk files never removed for another's",
 }
+# Present when the store serves a control socket (store.fast_control).
+_CONTROL_COUNTERS = {
+    "control_messages": "Messages received on the control socket (a batch is one)",
+    "control_calls": "Calls those messages carried",
+}
 # Present when the disk tier is enabled (store.disk).
 _DISK_GAUGES = {
     "disk_chunks": "Chunks on the node's disk",
@@ -204,6 +209,9 @@ class StoreCollector(Collector):
             for name, doc in _VIEW_GAUGES.items():
                 yield GaugeMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])
             for name, doc in _VIEW_COUNTERS.items():
+                yield CounterMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])
+        if "control_messages" in stats:
+            for name, doc in _CONTROL_COUNTERS.items():
                 yield CounterMetricFamily(f"kvtier_store_{name}", doc, value=stats[name])
         if "disk_chunks" in stats:
             for name, doc in _DISK_GAUGES.items():

@@ -162,6 +162,7 @@ def start_control(
         return None
     control = ControlServer(servicer, path, authenticator)
     node.control_socket = str(path)
+    node.control_stats = control.stats
     return control
 
 

@@ -23,7 +23,7 @@ from kvtier.core.chunks import LookupStatus
 from kvtier.core.config import StoreConfig
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace, prompt_keys
-from kvtier.store.api.types import CommitCall, LeaseStatus
+from kvtier.store.api.types import AllocateCall, CommitCall, LeaseStatus
 from kvtier.store.client import view_leases, wire
 from kvtier.store.client.control import ControlChannel
 from kvtier.store.client.grpc import GrpcStoreClient
@@ -300,6 +300,36 @@ def test_placeholders_commit_under_their_names_on_both_paths(run_dir: Path) -> N
             assert client.lookup(other, names).stop is LookupStatus.MISS
         stats = store_stats(store.address, store.pid)
         assert stats is not None and stats["writing_bytes"] == 0 and stats["write_leases"] == 0
+    finally:
+        fast.close()
+        slow.close()
+        store.stop()
+
+
+def test_the_store_counts_control_messages_and_the_calls_they_carry(run_dir: Path) -> None:
+    """``control_messages`` / ``control_calls`` in the store's stats (and metrics): one per
+    frame and one per call in it, so a step's batch shows as one message of several calls;
+    gRPC calls and the connection's HELLO are not counted."""
+    store = start_store(run_dir, "16MiB", "counted", remote=False)
+    fast = GrpcStoreClient(store.address)
+    slow = GrpcStoreClient(store.address, fast_control=False)
+
+    def counts() -> tuple[int, int]:
+        stats = store_stats(store.address, store.pid)
+        assert stats is not None
+        return int(stats["control_messages"]), int(stats["control_calls"])
+
+    try:
+        ns_id = fast.register_namespace(NS, CHUNK)
+        before = counts()
+        written = fast.allocate(ns_id, keys_of(0, 2), [CHUNK] * 2)  # one call
+        assert counts() == (before[0] + 1, before[1] + 1)
+        calls = [AllocateCall(ns_id, keys_of(100 * i, 2), [CHUNK] * 2) for i in (1, 2, 3)]
+        got = fast.allocate_many(calls)  # one message of three calls
+        assert counts() == (before[0] + 2, before[1] + 4)
+        slow.commit(written.lease_id, None, [0, 0])  # over gRPC: not a control message
+        assert counts() == (before[0] + 2, before[1] + 4)
+        assert all(not isinstance(r, KvtierError) and r.lease_id for r in got)
     finally:
         fast.close()
         slow.close()
