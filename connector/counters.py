@@ -131,8 +131,8 @@ class C:
     )
     SAVE_NO_STATE = Counter(
         "save_no_state",
-        "Chunks of a Mamba hybrid not saved: vLLM wrote no recurrent state at their end (a "
-        "prefill step ran past it)",
+        "Chunks of a Mamba hybrid saved as their attention alone: vLLM wrote no recurrent "
+        "state at their end (a prefill step ran past it); a hit may pass them, not end on them",
     )
     # the disk tier
     DISK_STAGED_CHUNKS = Counter("disk_staged_chunks", "Chunks staged from this node's disk")

@@ -8,7 +8,9 @@ computing). A chunk keeps each group's trailing ``kept_blocks`` (``layout.py``),
 
 - a **save** of chunk ``c`` copies, per group, the kept blocks of that chunk; when any of
   them is no longer the request's (a null block: the window passed them before the copy, as
-  for a save deferred while pool space was late) the chunk is not saved at all;
+  for a save deferred while pool space was late) the chunk is not saved at all, except that
+  a chunk vLLM wrote no Mamba state for is saved without it (``save_blocks``: its attention
+  alone, which a hit may pass through but not end on);
 - a **load** ending at a chunk boundary fills, per group, the real blocks vLLM allocated
   for the loaded tokens: all of them for full attention, the window's for a sliding window,
   which lie inside the kept blocks of their chunks. A real block outside them cannot be
@@ -42,6 +44,25 @@ def chunk_save_blocks(
             return None
         out.append((index, ids))
     return out
+
+
+def save_blocks(
+    geometry: KvGeometry, blocks: GroupBlocks, chunk: int, null_block: int
+) -> tuple[list[tuple[int, tuple[int, ...]]], bool] | None:
+    """What a save of chunk ``chunk`` copies and whether that is its attention alone: the
+    whole chunk (``chunk_save_blocks``), else for a model with state whose only lack is the
+    state (a prefill step ran past the boundary) every other group's blocks; None when it
+    cannot be saved."""
+    whole = chunk_save_blocks(geometry, blocks, chunk, null_block)
+    if whole is not None:
+        return whole, False
+    if not lacks_state_only(geometry, blocks, chunk, null_block):
+        return None
+    return [
+        (index, _kept_ids(geometry, blocks, chunk, index))
+        for index, group in enumerate(geometry.groups)
+        if group.kind != MAMBA
+    ], True
 
 
 def _kept_ids(geometry: KvGeometry, blocks: GroupBlocks, chunk: int, group: int) -> tuple[int, ...]:

@@ -20,8 +20,10 @@ kind. A chunk keeps, per group, exactly what a prefix hit at any chunk boundary 
   refused;
 - Mamba / linear-attention state (vLLM's ``mamba_cache_mode="align"``): the chunk's last
   block, whose page holds the recurrent state after exactly the chunk's last token (block
-  ``i`` holds the state after ``(i + 1) * block_size`` tokens; blocks whose state vLLM never
-  wrote are its null block, so such a chunk is not saved).
+  ``i`` holds the state after ``(i + 1) * block_size`` tokens). Mamba groups come last in a
+  chunk, so the chunk's first ``attention_bytes`` are its attention KV alone: vLLM writes a
+  state only where a prefill step ends, and a chunk without one is stored as those bytes
+  alone, in a sibling namespace (``attention_only``; docs/connector.md, "Mamba hybrids").
 
 Other kinds (cross attention, Mamba in other cache modes) are refused at start-up with the
 reason (``model_support.py``). A single full-attention group
@@ -102,6 +104,9 @@ class KvGeometry:
         names = tuple(n for g in groups for n in g.layer_names)
         if names != self.layer_names:
             raise ValueError("layer_names must list the groups' layers, group after group")
+        kinds = [g.kind == MAMBA for g in groups]
+        if kinds != sorted(kinds):
+            raise ValueError("Mamba groups come last in a chunk (attention_bytes)")
         offsets, layer_group, at = [], [], 0
         for index, group in enumerate(groups):
             for _ in group.layer_names:
@@ -128,6 +133,21 @@ class KvGeometry:
     @property
     def chunk_bytes(self) -> int:
         return self._offsets[-1]
+
+    @property
+    def has_state(self) -> bool:
+        """Some group keeps recurrent state (Mamba / linear attention), stored last."""
+        return any(g.kind == MAMBA for g in self.groups)
+
+    @property
+    def attention_bytes(self) -> int:
+        """Where the state's layers start in a chunk: its bytes before them are every other
+        group's (the whole chunk when there is no state). A chunk vLLM wrote no state for is
+        stored as these bytes alone."""
+        first = next((i for i, g in enumerate(self.groups) if g.kind == MAMBA), None)
+        if first is None:
+            return self.chunk_bytes
+        return self._offsets[sum(len(g.layer_names) for g in self.groups[:first])]
 
     @property
     def uniform(self) -> bool:
@@ -182,11 +202,19 @@ class ModelIdentity:
     generation: int = 0
 
     def namespace(
-        self, geometry: KvGeometry, rank: int, salt_digest: str = "", lora_fp: str = ""
+        self,
+        geometry: KvGeometry,
+        rank: int,
+        salt_digest: str = "",
+        lora_fp: str = "",
+        attention_only: bool = False,
     ) -> Namespace:
         """The namespace of data rank ``rank`` (``data_ranks``); ``salt_digest``:
         ``kvtier.core.keys.salt_digest(request.cache_salt)``; ``lora_fp``: the adapter's
-        weights fingerprint (``AdapterFingerprints``)."""
+        weights fingerprint (``AdapterFingerprints``). ``attention_only``: the sibling
+        namespace of a model with state (``KvGeometry.has_state``) holding the chunks vLLM
+        wrote no state for, as their ``attention_bytes`` alone, under the same chunk keys as
+        the namespace of whole chunks (the keys name tokens; the namespace says the bytes)."""
         tag = self.tag if not self.generation else f"{self.tag}#gen={self.generation}"
         per_stage = self.ranks_per_stage(geometry)
         pp_rank, tp_rank = divmod(rank, per_stage)
@@ -197,7 +225,7 @@ class ModelIdentity:
             num_layers=geometry.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
-            kv_layout=geometry.kv_layout,
+            kv_layout=geometry.kv_layout + (";attention-only" if attention_only else ""),
             tp_rank=tp_rank,  # MLA: 0 (one copy of a stage's latent serves every rank)
             # the instance's TP size, MLA's too: TP changes the KV's bytes (a row-parallel
             # layer's all-reduce sums in another order than one rank's matmul), so a chunk a
@@ -271,8 +299,13 @@ def describe(
     chunk_tokens = chunk_tokens_for(chunk_tokens, block_size)
     blocks_per_chunk = chunk_tokens // block_size
     group_geometry = tuple(
-        _group_geometry(g.layer_names, s, kind, block_size, blocks_per_chunk, source)
-        for g, s, kind, source in zip(groups, specs, kinds, sources, strict=True)
+        sorted(  # state last: a chunk's attention KV is its first bytes (attention_bytes)
+            (
+                _group_geometry(g.layer_names, s, kind, block_size, blocks_per_chunk, source)
+                for g, s, kind, source in zip(groups, specs, kinds, sources, strict=True)
+            ),
+            key=lambda g: g.kind == MAMBA,
+        )
     )
     cache = vllm_config.cache_config
     model = vllm_config.model_config
@@ -291,6 +324,8 @@ def describe(
     plain = len(group_geometry) == 1 and group_geometry[0].kind == FULL
     if not plain:  # a hybrid model's chunk holds other bytes than a pure model's
         kv_layout += ";groups=" + ",".join(g.label() for g in group_geometry)
+    if any(g.kind == MAMBA for g in group_geometry):
+        kv_layout += ";state-last"  # an earlier layout put the state where vLLM's group was
     geometry = KvGeometry(
         layer_names=tuple(n for g in group_geometry for n in g.layer_names),
         block_size=block_size,

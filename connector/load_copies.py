@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvtier.connector.group_blocks import GroupBlocks, load_blocks
-from kvtier.connector.layout import KvGeometry
+from kvtier.connector.group_blocks import GroupBlocks, UnfillableBlocks, load_blocks
+from kvtier.connector.layout import MAMBA, KvGeometry
 from kvtier.connector.lookup import LookupOutcome
 from kvtier.connector.metadata import ChunkCopy
 
@@ -35,6 +35,10 @@ def load_copies(
         copies: list[ChunkCopy] = []
         for group, b, within, block_id in targets:
             loc = hits[b // geometry.blocks_per_chunk - outcome.first_chunk]
+            if geometry.groups[group].kind == MAMBA and loc.size < geometry.chunk_bytes:
+                # vLLM wants a state the chunk was stored without (lookups end hits on whole
+                # chunks, so vLLM asked for one they did not promise): fail, never guess
+                raise UnfillableBlocks(f"block {b} needs a state its chunk was stored without")
             last = copies[-1] if copies else None
             if (
                 last is not None

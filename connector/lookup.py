@@ -99,6 +99,8 @@ class RequestState:
     cacheable: bool
     generation: int  # the namespace generation ns_ids were resolved for
     ns_ids: dict[int, bytes] | None = None  # per TP rank, set by the first lookup or save
+    # per TP rank: the sibling namespace of chunks stored without state (``has_state``)
+    attention_ns_ids: dict[int, bytes] | None = None
     keyers: dict[int, PromptKeyer] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     lookup: Future[LookupOutcome] | None = None
@@ -146,7 +148,7 @@ class RequestState:
         if generation != self.generation:
             self.generation = generation
             with self.lock:
-                self.ns_ids = None
+                self.ns_ids = self.attention_ns_ids = None
                 self.keyers = {}
             changed = True
         return changed
@@ -200,27 +202,35 @@ class TierResolver:
         self.staging = tiers.staging
         self._count = count
         self._adapters = AdapterFingerprints()
-        # (identity, rank, salt, adapter) -> namespace: built once, not per request (~7 µs
-        # of pydantic on the scheduler thread for every known miss)
-        self._namespace_memo: dict[tuple[ModelIdentity, int, str, str], Namespace] = {}
+        # (identity, rank, salt, adapter, attention only) -> namespace: built once, not per
+        # request (~7 µs of pydantic on the scheduler thread for every known miss)
+        self._namespace_memo: dict[tuple[ModelIdentity, int, str, str, bool], Namespace] = {}
 
-    def namespaces(self, state: RequestState) -> dict[int, bytes]:
+    def namespaces(self, state: RequestState, attention_only: bool = False) -> dict[int, bytes]:
         """The request's namespace id per TP rank, registered with the store (by the pool, at
-        most once per namespace). Raises when the store is unreachable or refuses."""
+        most once per namespace). ``attention_only``: the sibling namespace of a model with
+        state (``KvGeometry.has_state``), for chunks vLLM wrote no state for. Raises when the
+        store is unreachable or refuses."""
         found = self._namespaces(state, register=True)
+        if attention_only:
+            found = self._namespaces(state, register=True, attention_only=True)
         assert found is not None
         return found
 
-    def _namespaces(self, state: RequestState, register: bool) -> dict[int, bytes] | None:
+    def _namespaces(
+        self, state: RequestState, register: bool, attention_only: bool = False
+    ) -> dict[int, bytes] | None:
         """``register=False``: None unless the pool registered every one already (no call)."""
-        if state.ns_ids is not None:
-            return state.ns_ids
+        cached = state.attention_ns_ids if attention_only else state.ns_ids
+        if cached is not None:
+            return cached
         identity = self._identity_of()
         lora_fp = self._adapters.of(state.lora_path) if state.lora_path else ""
         ns_ids = {}
-        chunk_bytes = self.geometry.chunk_bytes
-        for rank in identity.data_ranks(self.geometry):
-            namespace = self._namespace(identity, rank, state.salt, lora_fp)
+        geo = self.geometry
+        chunk_bytes = geo.attention_bytes if attention_only else geo.chunk_bytes
+        for rank in identity.data_ranks(geo):
+            namespace = self._namespace(identity, rank, state.salt, lora_fp, attention_only)
             if register:
                 ns_ids[rank] = self.pool.namespace_id(namespace, chunk_bytes)
             elif (known := self.pool.registered_namespace_id(namespace, chunk_bytes)) is None:
@@ -228,19 +238,23 @@ class TierResolver:
             else:
                 ns_ids[rank] = known
         with state.lock:
-            if state.ns_ids != ns_ids:
-                chunk = self.geometry.chunk_tokens
+            if attention_only:
+                state.attention_ns_ids = ns_ids
+            elif state.ns_ids != ns_ids:  # the keys are the whole chunks' namespace's
+                chunk = geo.chunk_tokens
                 state.keyers = {r: PromptKeyer(ns, chunk) for r, ns in ns_ids.items()}
                 state.ns_ids = ns_ids
         return ns_ids
 
-    def _namespace(self, identity: ModelIdentity, rank: int, salt: str, lora_fp: str) -> Namespace:
-        memo_key = (identity, rank, salt, lora_fp)
+    def _namespace(
+        self, identity: ModelIdentity, rank: int, salt: str, lora_fp: str, attention_only: bool
+    ) -> Namespace:
+        memo_key = (identity, rank, salt, lora_fp, attention_only)
         found = self._namespace_memo.get(memo_key)
         if found is None:
             if len(self._namespace_memo) >= NAMESPACE_MEMO:  # many salts: start over
                 self._namespace_memo.clear()
-            found = identity.namespace(self.geometry, rank, salt, lora_fp)
+            found = identity.namespace(self.geometry, rank, salt, lora_fp, attention_only)
             self._namespace_memo[memo_key] = found
         return found
 
@@ -275,9 +289,16 @@ class TierResolver:
         ns_ids = self._namespaces(state, register=False)
         if ns_ids is None:
             return None
+        attention_ids = None
+        if geo.has_state:  # the chunk may be stored without its state, in the sibling
+            attention_ids = self._namespaces(state, register=False, attention_only=True)
+            if attention_ids is None:
+                return None
         for rank, ns_id in ns_ids.items():
             keys = state.keys(rank, first + 1, geo.chunk_tokens)[first:]
-            if self.pool.known_miss(ns_id, keys, with_disk):
+            if self.pool.known_miss(ns_id, keys, with_disk) and (
+                attention_ids is None or self.pool.known_miss(attention_ids[rank], keys, with_disk)
+            ):
                 self._count(C.LOOKUPS, 1)
                 self._count(C.LOOKUPS_KNOWN_MISS, 1)
                 if others:  # known only by the router's word
@@ -331,7 +352,7 @@ class TierResolver:
         keys = {rank: state.keys(rank, total_chunks, geo.chunk_tokens)[first:] for rank in ns_ids}
         runs: list[tuple[str, int]] = []  # (tier, chunks) in order
         try:
-            run = self._lookup_pool(ns_ids, keys, outcome)
+            run = self._lookup_pool(state, ns_ids, keys, outcome)
             runs.append((self.pool.name, run))
             for tier in self.staging:
                 if not self._may_stage(tier, state, first + run):
@@ -344,14 +365,16 @@ class TierResolver:
                 run += more
         except KvtierError as exc:
             if exc.code is ErrorCode.UNKNOWN_NAMESPACE:  # the store forgot it: register anew
-                for ns_id in ns_ids.values():
+                for ns_id in [*ns_ids.values(), *(state.attention_ns_ids or {}).values()]:
                     self.pool.forget_namespace(ns_id)
-                state.ns_ids = None
+                state.ns_ids = state.attention_ns_ids = None
             self.release(outcome)
             raise
         except BaseException:
             self.release(outcome)  # leases taken before the failure: give them back now
             raise
+        if geo.has_state:
+            run = self._with_state_at_end(outcome, run)
         end = min((first + run) * geo.chunk_tokens, self._hit_cap(request))
         tokens = max(0, end - computed)
         self._count(C.LOOKUPS, 1)
@@ -371,10 +394,19 @@ class TierResolver:
         return outcome
 
     def _lookup_pool(
-        self, ns_ids: dict[int, bytes], keys: dict[int, list[bytes]], outcome: LookupOutcome
+        self,
+        state: RequestState,
+        ns_ids: dict[int, bytes],
+        keys: dict[int, list[bytes]],
+        outcome: LookupOutcome,
     ) -> int:
         if "cpu" not in self.config.tiers:
             return 0
+        if self.geometry.has_state:
+            attention_ids = self.namespaces(state, attention_only=True)
+            for rank, ns_id in ns_ids.items():
+                self._lookup_with_state(rank, (ns_id, attention_ids[rank]), keys[rank], outcome)
+            return min(len(h) for h in outcome.hits.values())
         for rank, ns_id in ns_ids.items():
             result = self.pool.lookup(ns_id, keys[rank], self.config.load_lease_ttl_s)
             if result.lease_id:
@@ -383,6 +415,42 @@ class TierResolver:
             outcome.hits[rank] = self._verifiable(result.hits)
             outcome.epochs[rank] = result.epoch
         return min(len(h) for h in outcome.hits.values())
+
+    def _lookup_with_state(
+        self, rank: int, namespaces: tuple[bytes, bytes], keys: list[bytes], outcome: LookupOutcome
+    ) -> None:
+        """A model with state: the run of chunks held whole (``namespaces[0]``) or as their
+        attention alone (``namespaces[1]``), in any mix, leased. Each lookup answers the run
+        of one namespace from where the run got to, so the two take turns until neither
+        continues it. Where the hit may end is ``_with_state_at_end``'s business."""
+        hits: list[ChunkLocation] = []
+        turn, fruitless = 0, 0
+        while len(hits) < len(keys) and fruitless < 2:
+            result = self.pool.lookup(
+                namespaces[turn], keys[len(hits) :], self.config.load_lease_ttl_s
+            )
+            if result.lease_id:
+                outcome.lease_ids.append(result.lease_id)
+                outcome.granted(result.lease_ttl_s or self.config.load_lease_ttl_s)
+            if outcome.epochs.setdefault(rank, result.epoch) != result.epoch:
+                break  # the store restarted between two lookups: keep the first run
+            got = self._verifiable(result.hits)
+            hits += got
+            fruitless = 0 if got else fruitless + 1
+            turn ^= 1
+        outcome.hits[rank] = hits
+
+    def _with_state_at_end(self, outcome: LookupOutcome, run: int) -> int:
+        """A model with state: a hit ends on a chunk stored whole on every rank (its state is
+        what vLLM continues from); the chunks before it may be attention alone. Returns the
+        run cut back to the last such chunk (the leases of the chunks cut stay with the
+        outcome, released with it)."""
+        whole = self.geometry.chunk_bytes
+        while run and any(hits[run - 1].size != whole for hits in outcome.hits.values()):
+            run -= 1
+        for rank, hits in outcome.hits.items():
+            outcome.hits[rank] = hits[:run]
+        return run
 
     def _stage_rounds(
         self,

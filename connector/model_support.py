@@ -13,6 +13,7 @@ whose own prefix caching vLLM turned off.
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -99,20 +100,21 @@ def mamba_kind(spec: Any) -> str:
 
 def advise_mamba_steps(step_tokens: int, chunk_tokens: int) -> None:
     """vLLM writes a Mamba layer's state into a block only at the end of a prefill step (and
-    at the prompt's last block boundary): a chunk boundary a step runs past has no state,
-    and that chunk is not saved. A request prefilled alone in steps that divide a chunk
-    ends a step on every chunk boundary; requests sharing a step's budget end theirs on
-    other block boundaries, and some chunks go unsaved (``save_no_state``)."""
-    if chunk_tokens % step_tokens:
+    at the prompt's last block boundary). Every chunk is saved (one without state as its
+    attention alone, ``save_no_state``), but a hit must end on a chunk with its state: where
+    a step ended on a chunk boundary. Steps that are a multiple or a divisor of a chunk end on
+    chunk boundaries every ``max(step, chunk)`` tokens of a prompt prefilled alone; other step
+    sizes only every ``lcm(step, chunk)`` tokens."""
+    if step_tokens % chunk_tokens and chunk_tokens % step_tokens:
         log.warning(
-            "kvtier: a Mamba hybrid's chunk is saved only where vLLM wrote the recurrent "
-            "state, at the end of a prefill step, and a hit needs every chunk before it; "
-            "max_num_batched_tokens=%d does not divide chunk_tokens=%d, so a prompt prefilled "
-            "in one step saves at most its last chunk and this model gets next to no hits "
-            "from the node's pool (a later prompt recomputes them, never a wrong token). For a "
-            "state at every chunk boundary set --max-num-batched-tokens %d.",
+            "kvtier: a Mamba hybrid's hit ends where vLLM wrote the recurrent state, at the end "
+            "of a prefill step, on a chunk boundary; max_num_batched_tokens=%d is neither a "
+            "multiple nor a divisor of chunk_tokens=%d, so prefill steps meet chunk boundaries "
+            "only every %d tokens and hits end there (the rest is recomputed, never a wrong "
+            "token). A multiple of %d ends hits at every step.",
             step_tokens,
             chunk_tokens,
+            math.lcm(step_tokens, chunk_tokens),
             chunk_tokens,
         )
 

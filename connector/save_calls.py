@@ -37,6 +37,7 @@ class AllocationAsk:
     state: RequestState
     start: int
     end: int
+    attention_only: bool = False  # chunks without state: the sibling namespace, fewer bytes
 
 
 @dataclass
@@ -60,7 +61,7 @@ class SaveCalls:
         geometry: KvGeometry,
         tier: PoolTier,
         count: Count,
-        namespaces_of: Callable[[RequestState], dict[int, bytes]],
+        namespaces_of: Callable[..., dict[int, bytes]],
         slab: SaveSlab | None,
     ) -> None:
         self.geometry = geometry
@@ -85,10 +86,12 @@ class SaveCalls:
                 ask.future.set_result({})
                 continue
             try:
-                ns_ids = self._namespaces_of(ask.state)  # registered if need be
+                # registered if need be; keyed as whole chunks whatever the namespace
+                ns_ids = self._namespaces_of(ask.state, attention_only=ask.attention_only)
+                size = geo.attention_bytes if ask.attention_only else geo.chunk_bytes
                 for rank, ns_id in ns_ids.items():
                     keys = ask.state.keys(rank, ask.end, geo.chunk_tokens)[ask.start : ask.end]
-                    calls.append(AllocateCall(ns_id, keys, [geo.chunk_bytes] * len(keys)))
+                    calls.append(AllocateCall(ns_id, keys, [size] * len(keys)))
                     owners.append((ask, rank))
             except Exception as exc:
                 ask.future.set_exception(exc)

@@ -43,12 +43,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 from kvtier.connector.counters import SAVE_STATUS, C, Counter
-from kvtier.connector.group_blocks import (
-    GroupBlocks,
-    chunk_save_blocks,
-    lacks_state_only,
-    real_blocks,
-)
+from kvtier.connector.group_blocks import GroupBlocks, real_blocks, save_blocks
 from kvtier.connector.layout import KvGeometry
 from kvtier.connector.lookup import RequestState
 from kvtier.connector.metadata import ChunkCopy, SaveJob
@@ -103,7 +98,7 @@ class SavePlanner:
         tier: PoolTier,
         alloc: Executor,
         count: Count,
-        namespaces_of: Callable[[RequestState], dict[int, bytes]],
+        namespaces_of: Callable[..., dict[int, bytes]],
         slab: SaveSlab | None = None,
     ) -> None:
         """``slab``: pool space held ahead (a node store): saves that find enough go out in
@@ -143,12 +138,12 @@ class SavePlanner:
         self._block_ids_of = block_ids_of
         asks: list[AllocationAsk] = []
         jobs: list[SaveJob] = []  # saves into held pool space: out with this step
-        started = [self._request(*item, block_ids_of, asks, jobs) for item in scheduled]
+        started = [a for item in scheduled for a in self._request(*item, block_ids_of, asks, jobs)]
         if self.slab is not None:
             self.slab.maybe_refill()
         if asks:  # the step's allocations: one task, one message to the store
             self._alloc.submit(self._calls.allocate_step, asks)
-        fresh = [a.future for a in started if a is not None]
+        fresh = [a.future for a in started]
         if fresh and self._save_wait_s > 0:  # at 0 not even a look (a waiter costs ~20 µs)
             wait_futures(fresh, timeout=self._save_wait_s)
         now = time.monotonic()
@@ -180,36 +175,68 @@ class SavePlanner:
         block_ids_of: Callable[[str], GroupBlocks],
         asks: list[AllocationAsk],
         jobs: list[SaveJob],
-    ) -> Allocation | None:
+    ) -> list[Allocation]:
         geo = self.geometry
         request = state.request
         if not state.cacheable:
-            return None
+            return []
         state.recomputes(computed, count, geo.chunk_tokens)
         limit = request.num_prompt_tokens if self.config.save == "prompt" else request.num_tokens
         end = min(computed + count, limit) // geo.chunk_tokens
         start = max(state.save_from_chunk, state.saved_upto)
         if end <= start:
-            return None
+            return []
         state.saved_upto = end
         blocks = block_ids_of(request.request_id)
-        per_chunk = [chunk_save_blocks(geo, blocks, c, self.null_block) for c in range(start, end)]
+        per_chunk = [save_blocks(geo, blocks, c, self.null_block) for c in range(start, end)]
         # a chunk whose kept blocks a sliding window already passed is not saved, nor any
         # before it (a hit needs a prefix): start after the last such chunk
         missing = [i for i, got in enumerate(per_chunk) if got is None]
         if missing:
-            no_state = sum(
-                lacks_state_only(geo, blocks, start + i, self.null_block) for i in missing
-            )
-            self._count(C.SAVE_NO_STATE, no_state)
-            self._count(C.SAVE_ERRORS, len(missing) - no_state)
+            self._count(C.SAVE_ERRORS, len(missing))
             start, per_chunk = start + missing[-1] + 1, per_chunk[missing[-1] + 1 :]
         if end <= start:
-            return None
+            return []
+        saves = [got for got in per_chunk if got is not None]  # every one, after the cut
+        self._count(C.SAVE_NO_STATE, sum(stateless for _, stateless in saves))
+        allocations = []
+        lo = 0
+        while lo < len(saves):  # runs of whole chunks and of chunks without state
+            stateless = saves[lo][1]
+            hi = lo + 1
+            while hi < len(saves) and saves[hi][1] == stateless:
+                hi += 1
+            chunk_blocks = [groups for groups, _ in saves[lo:hi]]
+            alloc = self._save_run(
+                state, start + lo, start + hi, chunk_blocks, blocks, stateless, asks, jobs
+            )
+            if alloc is not None:
+                allocations.append(alloc)
+            lo = hi
+        return allocations
+
+    def _save_run(
+        self,
+        state: RequestState,
+        start: int,
+        end: int,
+        chunk_blocks: list[list[tuple[int, tuple[int, ...]]]],
+        blocks: GroupBlocks,
+        stateless: bool,
+        asks: list[AllocationAsk],
+        jobs: list[SaveJob],
+    ) -> Allocation | None:
+        """Save chunks [start, end), all whole or all without state: into held space as far
+        as it goes (whole chunks: the slots are whole chunks' size), the rest asked for."""
+        geo = self.geometry
         bpc = geo.blocks_per_chunk
         computed_over = frozenset(real_blocks(geo, blocks, 0, end * bpc, self.null_block))
-        chunk_blocks = [got for got in per_chunk if got is not None]  # every one, after the cut
-        if self.slab is not None and self.slab.enabled and state.ns_ids is not None:
+        if (
+            not stateless
+            and self.slab is not None
+            and self.slab.enabled
+            and state.ns_ids is not None
+        ):
             # the first chunks go into held space (as many as it has on every rank), the
             # rest ask the store
             self.slab.note(state.salt, state.ns_ids)
@@ -229,7 +256,7 @@ class SavePlanner:
                     return None
             self._count(C.SAVE_HELD_SHORT, 1)
         future: Future[dict[int, AllocateResult]] = Future()
-        asks.append(AllocationAsk(future, state, start, end))
+        asks.append(AllocationAsk(future, state, start, end, attention_only=stateless))
         alloc = Allocation(
             state,
             start,
@@ -338,11 +365,9 @@ class SavePlanner:
             blocks = self._block_ids_of(alloc.state.request.request_id)
         except Exception:  # finished and freed
             return False
-        now = [
-            chunk_save_blocks(self.geometry, blocks, c, self.null_block)
-            for c in range(alloc.start, alloc.end)
-        ]
-        return now == alloc.chunk_blocks
+        geo, null = self.geometry, self.null_block
+        now = [save_blocks(geo, blocks, c, null) for c in range(alloc.start, alloc.end)]
+        return [got[0] if got else None for got in now] == alloc.chunk_blocks
 
     # -- worker reports ----------------------------------------------------------------------
 

@@ -462,6 +462,10 @@ class ConnectorScheduler:
             # allocation, which would otherwise find the corrupt chunk still there (EXISTS),
             # not save the clean copy, and leave a hole once the delete ran
             self._alloc.submit(self._quiet_delete, state.ns_ids[rank], keys)
+            if state.attention_ns_ids is not None:
+                # a model with state: the key may name the chunk's attention alone, or a
+                # whole chunk; both go (a clean twin costs a future miss, never a token)
+                self._alloc.submit(self._quiet_delete, state.attention_ns_ids[rank], keys)
 
     def _quiet_delete(self, ns_id: bytes, keys: list[bytes]) -> None:
         try:

@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvtier.connector.counters import C, Tally
-from kvtier.connector.layout import KvGeometry
+from kvtier.connector.layout import MAMBA, KvGeometry
 from kvtier.connector.load_sums import LayerwiseSums, Verifiers, bad_chunks
 from kvtier.connector.metadata import (
     KvtierMetadata,
@@ -291,9 +291,19 @@ class ConnectorWorker:
             if job.job_id in self._failed_saves:
                 self._out.save_failed.setdefault(job.job_id, set()).add(self.rank)
             else:
-                n = len({c.key for c in chunks})  # one copy per KV cache group
+                geo = self.geometry
+                # one copy per KV cache group; a chunk without state (no copy of a Mamba
+                # group) is its attention bytes alone
+                whole: dict[bytes, bool] = {}
+                for c in chunks:
+                    whole[c.key] = whole.get(c.key, False) or geo.groups[c.group].kind == MAMBA
+                n = len(whole)
+                stateless = sum(not w for w in whole.values()) if geo.has_state else 0
                 self.stats.add(C.SAVED_CHUNKS, n)
-                self.stats.add(C.SAVED_BYTES, n * self.geometry.chunk_bytes)
+                self.stats.add(
+                    C.SAVED_BYTES,
+                    (n - stateless) * geo.chunk_bytes + stateless * geo.attention_bytes,
+                )
                 self._out.saved.setdefault(job.job_id, set()).add(self.rank)
         self._saved_layers.clear()
         self._failed_saves.clear()

@@ -148,7 +148,7 @@ CASES = [
             num_layers=4,
             num_kv_heads=2,
             head_size=64,
-            kv_layout=f"{HYBRID_PAGES};groups=mamba/keep1*2,full/keep8*2",
+            kv_layout=f"{HYBRID_PAGES};groups=full/keep8*2,mamba/keep1*2;state-last",
             chunk_tokens=256,
         ),
         lcg_tokens(2 * 256, seed=3, vocab=262144),

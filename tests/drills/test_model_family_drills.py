@@ -10,7 +10,9 @@ leases, and the fault visibly handled.
   faults --model-family gemma3-swa``).
 - ``qwen3-next`` (a gated-delta-net layer's Mamba state beside full attention): a chunk keeps
   the state after its last token, a load fills the state block at the hit boundary; the same
-  concurrent drill, with prefill steps of one chunk (so every chunk boundary has its state).
+  concurrent drill, with prefill steps of one chunk (so every chunk boundary has its state)
+  and of two (so chunks no step ended on are stored as their attention alone, and hits run
+  through them to a chunk with its state).
 - ``llama4-local`` (three layers attending within 128-token local spans beside a global
   one, MoE; 64-token chunks keep every local block, since a hit inside a span needs the
   span's earlier chunks): the same concurrent drill.
@@ -50,6 +52,12 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillContext]:
 
 
 @pytest.fixture(scope="module")
+def mamba_long_steps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillContext]:
+    # steps of two chunks: every other chunk boundary has no state (attention alone)
+    yield from context(tmp_path_factory, "qwen3-next", max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
 def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillContext]:
     yield from context(tmp_path_factory, "llama4-local")
 
@@ -76,7 +84,11 @@ def test_hybrid_concurrent_requests_with_corrupt_chunks(hybrid: DrillContext) ->
     assert result.hits.get("host", 0) > 0  # the phases after the fault hit what was saved
 
 
-def test_mamba_hybrid_concurrent_requests_with_corrupt_chunks(mamba: DrillContext) -> None:
+@pytest.mark.parametrize("steps", ["mamba", "mamba_long_steps"])
+def test_mamba_hybrid_concurrent_requests_with_corrupt_chunks(
+    steps: str, request: pytest.FixtureRequest
+) -> None:
+    mamba: DrillContext = request.getfixturevalue(steps)
     prompts = Prompts.make(REQUESTS, 22)
     mamba.prefetch(prompts.a + prompts.b)
     _, drill = DRILLS["concurrent-failed-loads"]
@@ -94,6 +106,8 @@ def test_mamba_hybrid_concurrent_requests_with_corrupt_chunks(mamba: DrillContex
     assert result.wrong_tokens == 0, result
     assert result.recomputes >= 1
     assert result.hits.get("host", 0) > 0
+    if steps == "mamba_long_steps":  # the hits ran through chunks stored without state
+        assert result.counters["save_no_state"] > 0, result.counters
 
 
 def vllm_batch_invariant(ctx: DrillContext, prompts: list[list[int]]) -> bool:

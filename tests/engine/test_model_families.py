@@ -154,6 +154,34 @@ def test_mamba_hybrid_hits_are_exact(tmp_path: Path, run_dir: Path) -> None:
     assert metrics["vllm:kvtier_load_error_blocks"] == 0
 
 
+def test_mamba_hybrid_hits_reach_the_last_prefill_step_that_ended_on_a_chunk(
+    tmp_path: Path, run_dir: Path
+) -> None:
+    """Prefill steps of two chunks (vLLM writes the state only where a step ends): every
+    chunk is saved, the ones no step ended on as their attention alone, and the next prompt
+    hits through them up to the last whole chunk. A 1,100-token prompt prefilled in
+    512-token steps has its state at 512 and 1,024: a hit of 1,024 tokens, exact, where
+    saving only chunks with a state gave none (a hit needs every chunk before it)."""
+    model = make_tiny_qwen3_next(tmp_path / "qwen3-next")
+    batch = prompts(8, [1100])
+    extra = {"chunk_tokens": 256, "min_hit_tokens": {"cpu": 256}}
+    reference, dram, gpu, metrics = dram_round_trip(
+        model, batch, run_dir, extra, engine_args={"max_num_batched_tokens": 512}
+    )
+    counters = str({k: v for k, v in metrics.items() if "kvtier" in k and v})
+    assert_exact(reference, dram)
+    assert_exact(reference, gpu)
+    assert [r["num_cached_tokens"] for r in dram] == [1024], counters
+    assert metrics["vllm:kvtier_save_no_state"] == 2, counters  # chunks 1 and 3
+    assert metrics["vllm:kvtier_load_error_blocks"] == 0, counters
+    # four chunks' attention and one state page loaded (the hit's end); saved: four
+    # chunks' attention and the two states (block: 32 or 64 tokens, by the CPU)
+    token_bytes = 2 * 4 * 128 * 2
+    block = int(metrics["vllm:kvtier_loaded_bytes"]) // token_bytes - 1024
+    assert block in (32, 64), counters
+    assert metrics["vllm:kvtier_saved_bytes"] == (1024 + 2 * block) * token_bytes, counters
+
+
 def test_mamba_hybrid_tp2_hits_are_exact(tmp_path: Path, run_dir: Path) -> None:
     """TP 2 splits the linear-attention heads (one per rank) and the KV heads: each rank saves
     and loads its own state and KV, every hit exact. Steps of one chunk make every chunk

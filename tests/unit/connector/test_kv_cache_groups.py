@@ -16,6 +16,7 @@ from kvtier.connector.group_blocks import (
     lacks_state_only,
     load_blocks,
     real_blocks,
+    save_blocks,
 )
 from kvtier.connector.layout import (
     FULL,
@@ -191,26 +192,42 @@ def mamba(**extra: object):
 def test_a_mamba_hybrid_chunk_keeps_the_state_after_its_last_token(vllm_config) -> None:
     config = kv_cache_config((mamba(), ["l0", "l2"]), (attention("full"), ["l1"]))
     geometry, identity = describe(vllm_config, config, 256, fingerprint=False)
-    assert [g.kind for g in geometry.groups] == [MAMBA, FULL]
-    assert [g.kept_blocks for g in geometry.groups] == [1, 8]
-    assert geometry.chunk_bytes == (2 * 1 + 8) * PAGE
-    assert geometry.kv_layout.endswith(";groups=mamba/keep1*2,full/keep8*1")
+    # the state last, whatever vLLM's group order: a chunk's attention is its first bytes
+    assert [(g.kind, g.source) for g in geometry.groups] == [(FULL, 1), (MAMBA, 0)]
+    assert [g.kept_blocks for g in geometry.groups] == [8, 1]
+    assert geometry.chunk_bytes == (8 + 2 * 1) * PAGE
+    assert geometry.has_state and geometry.attention_bytes == 8 * PAGE
+    assert geometry.kv_layout.endswith(";groups=full/keep8*1,mamba/keep1*2;state-last")
     assert geometry.hits_on_chunk_boundaries
     assert (identity.num_kv_heads, identity.head_size) == (2, 8)  # the attention group's
+    # the sibling namespace of chunks without state: other bytes, so another namespace
+    whole, alone = identity.namespace(geometry, 0), identity.namespace(geometry, 0, "", "", True)
+    assert alone.kv_layout == whole.kv_layout + ";attention-only"
+    assert alone.root_key() != whole.root_key()
     # block i holds the state after (i + 1) * 32 tokens; vLLM leaves the null block where it
-    # wrote none (a step that ran past the boundary): that chunk cannot be saved
-    state = [NULL] * 7 + [11] + [NULL] * 7 + [NULL]
+    # wrote none (a step that ran past the boundary): that chunk is saved as its attention
     full = list(range(100, 116))
-    assert chunk_save_blocks(geometry, (state, full), 0, NULL) == [(0, (11,)), (1, tuple(full[:8]))]
-    assert chunk_save_blocks(geometry, (state, full), 1, NULL) is None
-    assert lacks_state_only(geometry, (state, full), 1, NULL)  # counted as such, not an error
+    state = [NULL] * 7 + [11] + [NULL] * 7 + [NULL]
+    blocks = (state, full)  # vLLM's tables, by its group index (GroupGeometry.source)
+    assert chunk_save_blocks(geometry, blocks, 0, NULL) == [(0, tuple(full[:8])), (1, (11,))]
+    assert save_blocks(geometry, blocks, 0, NULL) == ([(0, tuple(full[:8])), (1, (11,))], False)
+    assert chunk_save_blocks(geometry, blocks, 1, NULL) is None
+    assert lacks_state_only(geometry, blocks, 1, NULL)
+    assert save_blocks(geometry, blocks, 1, NULL) == ([(0, tuple(full[8:]))], True)
     assert not lacks_state_only(geometry, (state, full[:12]), 1, NULL)  # attention missing
+    assert save_blocks(geometry, (state, full[:12]), 1, NULL) is None
     # a load of 2 chunks fills the state at its end (vLLM allocated that one block) and
     # every attention block
     table = [NULL] * 15 + [42]
     got = load_blocks(geometry, (table, full), 0, 16, NULL)
-    assert [(g, b, within) for g, b, within, _ in got if g == 0] == [(0, 15, 0)]
-    assert len([1 for g, *_ in got if g == 1]) == 16
+    assert [(g, b, within) for g, b, within, _ in got if g == 1] == [(1, 15, 0)]
+    assert len([1 for g, *_ in got if g == 0]) == 16
+
+
+def test_groups_out_of_the_state_last_order_are_refused() -> None:
+    groups = (GroupGeometry(MAMBA, ("l0",), 1), GroupGeometry(FULL, ("l1",), 8))
+    with pytest.raises(ValueError, match="Mamba groups come last"):
+        KvGeometry(("l0", "l1"), 32, PAGE, 256, "x", groups)
 
 
 @pytest.mark.parametrize(
