@@ -5,14 +5,9 @@ The client remembers the store epoch it attached to and sends it with every requ
 store restart every call fails with STALE_EPOCH until the caller re-attaches (``reattach``),
 so a client can never apply offsets from one pool incarnation to another.
 
-Sessions: on its first lease-creating call (a leased ``lookup``, ``allocate``,
-``lease_for_peer``) the client opens a session at the store, passes its id in every such call,
-and heartbeats it from a daemon thread every ``session_timeout_s / 3``. If this process dies
-(SIGKILL, OOM) the heartbeats stop and the store ends its leases within seconds instead of at
-their TTL: a killed engine does not keep chunks pinned. An unknown session (timed out during a
-long pause, store restarted) is replaced by a new one; ``close()`` ends it. The heartbeat thread
-holds the client weakly: a client dropped without ``close()`` lets its session time out.
-Against a store without sessions (an older version) leases are TTL-only, as before.
+Sessions: the client's leases belong to its own session, opened on its first lease-creating
+call and heartbeaten from a daemon thread (``kvtier.store.client.own_session``), so the store
+ends them within seconds when this process dies; ``close()`` ends it.
 
 Threading: thread-safe (one channel, gRPC stubs are thread-safe).
 """
@@ -21,10 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
-import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -48,6 +41,7 @@ from kvtier.store.client import view_leases, wire
 from kvtier.store.client.control import METHODS as CONTROL_METHODS
 from kvtier.store.client.control import ControlChannel, ControlUnreachable
 from kvtier.store.client.local import NodeLocalPath
+from kvtier.store.client.own_session import OwnSession
 from kvtier.store.client.proof import verify_store
 from kvtier.store.proto import store_pb2 as pb
 from kvtier.store.proto import store_pb2_grpc
@@ -55,8 +49,6 @@ from kvtier.store.proto import store_pb2_grpc
 # A fetch's reply may come this long after its own deadline (the store's last control call).
 FETCH_REPLY_MARGIN_S = 5.0
 CLOSE_SESSION_TIMEOUT_S = 2.0  # close() does not wait longer for an unreachable store
-
-T = TypeVar("T")
 
 
 class GrpcStoreClient(StoreClient, StoreAdmin):
@@ -95,15 +87,10 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         )
         self._stub = store_pb2_grpc.StoreStub(self._channel)
         self._info: StoreInfo | None = None
-        self._session = 0  # this client's own session; 0 = none open yet
         # How many of this client's sessions ended at the store (timed out, store restarted):
         # a lease taken before the count moved may be gone, whatever its TTL says.
         self.sessions_ended = 0
-        self._session_timeout_s = 0.0
-        self._sessions_supported = True
-        self._session_lock = threading.Lock()
-        self._closed = threading.Event()
-        self._heartbeater: threading.Thread | None = None
+        self._own = OwnSession(self._open_own_session_at_store, self.heartbeat, self._count_ended)
         self._reachable = True  # the last call got an answer (close() skips a dead store)
         try:
             self._info = self._fetch_info()
@@ -136,7 +123,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         # Attached before: the store restarted, so it is coming back; ride out the channel's
         # reconnect backoff. Never attached (a store not up yet): fail fast, as every call does.
         self._info = self._fetch_info(wait_for_ready=self._info is not None)
-        self._drop_session(self._session)
+        self._own.drop(self._own.session)
         return self._info
 
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
@@ -221,7 +208,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         if self.known_miss(ns_id, keys):  # no round trip
             return LookupResult([], LookupStatus.MISS, 0, epoch)
         if lease_ttl_s and not session and self._local.leases_here:
-            own = self._own_session()
+            own = self._own.get()
             answered = self._local.view_lease(ns_id, keys, epoch, own, lease_ttl_s)
             if answered is not None:  # pinned here, no round trip
                 return answered
@@ -237,7 +224,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             )
             return self._call("Lookup", request)
 
-        reply = self._with_session(session, call) if lease_ttl_s else call(0)
+        reply = self._own.run(session, call) if lease_ttl_s else call(0)
         return LookupResult(
             wire.locations_from_pb(reply.hits),
             wire.LOOKUP_STATUS_BACK[reply.stop],
@@ -271,7 +258,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             )
             return self._call("Allocate", request)
 
-        return wire.allocated_from_pb(self._with_session(session, call), epoch)
+        return wire.allocated_from_pb(self._own.run(session, call), epoch)
 
     def allocate_many(
         self, calls: Sequence[AllocateCall], *, session: int = 0
@@ -306,7 +293,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             return replies
 
         try:
-            replies = self._with_session(session, send)
+            replies = self._own.run(session, send)
         except KvtierError as exc:
             if exc.code is not ErrorCode.UNAVAILABLE:
                 raise
@@ -380,21 +367,6 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         request = pb.CloseSessionRequest(epoch=self.epoch, session=session)
         return self._call("CloseSession", request).released
 
-    def _with_session(self, session: int, call: Callable[[int], T]) -> T:
-        """Run a lease-creating ``call(session)``: under the caller's ``session`` when given,
-        else under this client's own (opened now if need be, and opened anew once if the
-        store no longer knows it)."""
-        if session:
-            return call(session)
-        own = self._own_session()
-        try:
-            return call(own)
-        except KvtierError as exc:
-            if exc.code is not ErrorCode.UNKNOWN_SESSION or not own:
-                raise
-            self._drop_session(own)
-            return call(self._own_session())
-
     def known_miss(self, ns_id: bytes, keys: Sequence[bytes], with_disk: bool = False) -> bool:
         info = self._info
         return info is not None and self._local.known_miss(ns_id, keys, info.epoch, with_disk)
@@ -403,56 +375,18 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
         """This client's session, opened now if it is not yet (it opens by itself on the first
         lease-creating call; a lookup the store's view answers creates none). 0: the store
         has no sessions."""
-        return self._own_session()
+        return self._own.get()
 
-    def _own_session(self) -> int:
-        with self._session_lock:
-            if self._session or not self._sessions_supported or self._closed.is_set():
-                return self._session
-            # leasing here, the session gets its pin-table row as it opens: no first hit
-            # goes to the store for it
-            request = pb.OpenSessionRequest(epoch=self.epoch, view_leases=self._local.leases_here)
-            try:
-                reply = self._call("OpenSession", request)
-            except KvtierError as exc:
-                if exc.code is ErrorCode.INTERNAL and exc.message.startswith("UNIMPLEMENTED"):
-                    self._sessions_supported = False  # an older store: TTL-only leases
-                    return 0
-                raise
-            self._session = reply.session
-            self._session_timeout_s = reply.timeout_s
-            if self._heartbeater is None or not self._heartbeater.is_alive():
-                self._heartbeater = threading.Thread(
-                    target=_heartbeat_loop,
-                    args=(weakref.ref(self), self._closed, max(0.05, reply.timeout_s / 3)),
-                    name="kvtier-store-heartbeat",
-                    daemon=True,
-                )
-                self._heartbeater.start()
-            return self._session
+    def _open_own_session_at_store(self) -> tuple[int, float]:
+        """OpenSession for this client's own session (``OwnSession``): (id, timeout)."""
+        # leasing here, the session gets its pin-table row as it opens: no first hit
+        # goes to the store for it
+        request = pb.OpenSessionRequest(epoch=self.epoch, view_leases=self._local.leases_here)
+        reply = self._call("OpenSession", request)
+        return reply.session, reply.timeout_s
 
-    def _drop_session(self, session: int) -> None:
-        """Forget ``session`` (ended at the store): the next lease opens a new one."""
-        with self._session_lock:
-            if session and self._session == session:
-                self._session = 0
-                self.sessions_ended += 1
-
-    def _heartbeat_once(self) -> float:
-        """Heartbeat the client's session; returns how long to wait before the next one."""
-        with self._session_lock:
-            session, timeout = self._session, self._session_timeout_s
-        if session and not self._closed.is_set():
-            try:
-                if not self.heartbeat(session):
-                    self._drop_session(session)  # timed out meanwhile: its leases are gone
-            except KvtierError as exc:
-                if exc.code is ErrorCode.STALE_EPOCH:
-                    self._drop_session(session)  # restarted: the session is gone with it
-                # else unreachable: try again; the store ends it if this lasts
-            except ValueError:  # close() closed the channel under this call: we are done
-                pass
-        return max(0.05, timeout / 3) if timeout else 1.0
+    def _count_ended(self) -> None:
+        self.sessions_ended += 1  # under the session's lock (``OwnSession.drop``)
 
     def delete(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
         request = pb.DeleteRequest(epoch=self.epoch, ns_id=ns_id, keys=pack_keys(keys))
@@ -540,7 +474,7 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
             )
             return self._call("LeaseForPeer", request, timeout=timeout_s)
 
-        reply = self._with_session(session, call)
+        reply = self._own.run(session, call)
         return LookupResult(
             wire.locations_from_pb(reply.hits),
             wire.LOOKUP_STATUS_BACK[reply.stop],
@@ -551,11 +485,9 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
 
     def close(self) -> None:
         """End the client's session (its leases with it) and close the channel. Idempotent."""
-        if self._closed.is_set():
+        if self._own.closed.is_set():
             return
-        self._closed.set()
-        with self._session_lock:
-            session, self._session = self._session, 0
+        session = self._own.close()
         if session and self._reachable:  # a store not answering ends it by timeout instead
             with contextlib.suppress(KvtierError):
                 request = pb.CloseSessionRequest(epoch=self.epoch, session=session)
@@ -563,16 +495,3 @@ class GrpcStoreClient(StoreClient, StoreAdmin):
                 self._call("CloseSession", request, timeout=timeout)
         self._local.close()
         self._channel.close()  # a heartbeat in flight is cancelled; the thread then stops
-
-
-def _heartbeat_loop(
-    ref: weakref.ref[GrpcStoreClient], closed: threading.Event, wait: float
-) -> None:
-    """Heartbeat the session of the client ``ref`` until it is closed or garbage-collected
-    (the thread holds it only while it heartbeats, so a dropped client can be collected)."""
-    while not closed.wait(wait):
-        client = ref()
-        if client is None:
-            return
-        wait = client._heartbeat_once()
-        del client

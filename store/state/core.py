@@ -32,9 +32,12 @@ every operation reads as calls on them: ``pages`` (``PageBook``: the chunk table
 allocator, eviction, page counts), ``tenants`` (quotas and floors), ``namespaces``, ``leases``
 (``LeaseTable``: TTLs, lifetimes, what ending one undoes), ``sessions``, ``checksums`` (chunks
 committed without one), ``events`` (the event log), ``limits`` (per-request bounds) and the
-``counters``. What must always hold across them is ``check_invariants``. What the store's own
-workers do to chunks outside any request (checksums, demotion) is ``upkeep``
-(``kvtier.store.state.upkeep``), on the same components under the same lock.
+``counters``. What the store's own workers do to chunks outside any request (checksums,
+demotion) is ``upkeep`` (``kvtier.store.state.upkeep``), and how leases and sessions end
+(released, renewed, with their session, by time) is ``lifetimes``
+(``kvtier.store.state.lifetimes``): both on the same components under the same lock. What the
+store says about itself (``stats``, ``snapshot``) and what must always hold across the
+components (``check_invariants``) are mixed in from ``kvtier.store.state.report``.
 
 Threading: every public method takes the store's lock; call from any thread.
 """
@@ -50,21 +53,23 @@ from kvtier.core.chunks import LookupStatus
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace, check_keys
 from kvtier.store.api.events import EventKind, StoreEvent
-from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult, Snapshot
+from kvtier.store.api.types import AllocateResult, LeaseStatus, LookupResult
 from kvtier.store.state.checksums import ChecksumQueue
 from kvtier.store.state.entries import COUNTERS, ChunkEntry, ChunkState, NamespaceInfo
 from kvtier.store.state.eventlog import EventLog
 from kvtier.store.state.leases import LeaseKind, LeaseTable
+from kvtier.store.state.lifetimes import Lifetimes
 from kvtier.store.state.limits import StoreLimits
 from kvtier.store.state.namespaces import NamespaceTable
 from kvtier.store.state.pages import PageBook
 from kvtier.store.state.quotas import TenantBook
+from kvtier.store.state.report import StoreReporting
 from kvtier.store.state.sessions import SessionTable
 from kvtier.store.state.upkeep import PoolUpkeep
 from kvtier.store.state.view_pins import ViewPins
 
 
-class StoreCore:
+class StoreCore(StoreReporting):
     def __init__(
         self,
         *,
@@ -111,6 +116,9 @@ class StoreCore:
         self.checksums = ChecksumQueue(self.pages)
         self.events = EventLog(node_id=node_id, epoch=epoch, capacity=event_buffer)
         self.upkeep = PoolUpkeep(self._lock, self.pages, self.checksums, self.leases)
+        self.lifetimes = Lifetimes(
+            self._lock, clock, self.pages, self.leases, self.sessions, limits, self.counters
+        )
 
     def attach_view_pins(self, pins: ViewPins) -> None:
         """Honour the engines' own read leases from now on (``kvtier.store.state.view_pins``):
@@ -166,7 +174,8 @@ class StoreCore:
             now = self._clock()
             if known is None:
                 if self.namespaces.full:
-                    self._reap(now)  # expired write leases hold chunks of no namespace any more
+                    # expired write leases hold chunks of no namespace any more
+                    self.lifetimes.expire(now)
                     self.namespaces.make_room(now)
                 self.namespaces.add(namespace, chunk_bytes)
             self.namespaces.use(ns_id, now)
@@ -195,7 +204,7 @@ class StoreCore:
         with self._lock:
             now = self._clock()
             self.namespaces.use(ns_id, now)
-            self._reap(now)
+            self.lifetimes.expire(now)
             if lease_ttl_s is not None:
                 self.sessions.check(session)
             hits: list[ChunkEntry] = []
@@ -264,66 +273,25 @@ class StoreCore:
                 mask.append(True)
             return mask, pinned
 
+    # -- leases and sessions: how they end (``lifetimes``) -----------------------------------
+
     def release(self, lease_ids: Sequence[int]) -> list[LeaseStatus]:
-        """End leases. A read lease released OK guarantees its chunks never changed meanwhile;
-        EXPIRED means they may have (also when its session ended): the holder must discard
-        what it copied."""
-        self.limits.check_batch(len(lease_ids), "lease ids")
-        with self._lock:
-            self._reap(self._clock())
-            return self.leases.release(lease_ids)
+        return self.lifetimes.release(lease_ids)
 
     def renew(self, lease_id: int, ttl_s: float | None = None) -> float:
-        """Extend a lease; returns seconds until its new expiry: the TTL asked for, shortened
-        to what is left of the lease's lifetime (``max_lease_lifetime_s`` from its creation).
-        Past that the lease is gone: LEASE_EXPIRED."""
-        with self._lock:
-            now = self._clock()
-            self._reap(now)
-            return self.leases.extend(lease_id, ttl_s, now)
-
-    # -- sessions ----------------------------------------------------------------------------
+        return self.lifetimes.renew(lease_id, ttl_s)
 
     def open_session(self) -> int:
-        """A new client session (LIMIT_EXCEEDED past ``max_sessions``); heartbeat it within
-        ``session_timeout_s``, or it ends with every lease created under it."""
-        with self._lock:
-            now = self._clock()
-            self._reap(now)
-            session = self.sessions.open(now)
-            self.counters["sessions_opened"] += 1
-            return session
+        return self.lifetimes.open_session()
 
     def grant_pin_row(self, session: int) -> None:
-        """Give ``session`` a row of the engines' pin table, if it has none and one is free:
-        called for a node's engine (as its session opens, its leased lookups and allocations),
-        not for a peer."""
-        pins = self.pages.view_pins
-        if pins is None or not session or pins.has_row(session):
-            return
-        with self._lock:
-            if session in self.sessions:
-                pins.assign(session)
+        self.lifetimes.grant_pin_row(session)
 
     def heartbeat(self, session: int) -> bool:
-        """Keep ``session`` alive. False if it is not open (closed or timed out: its leases
-        are gone, and the client must open a new session)."""
-        with self._lock:
-            now = self._clock()
-            self._reap(now)
-            return self.sessions.touch(session, now)
+        return self.lifetimes.heartbeat(session)
 
     def close_session(self, session: int) -> int:
-        """End ``session`` and its leases (read leases unpinned, write leases aborted).
-        Returns how many leases that ended; 0 for a session not open."""
-        with self._lock:
-            self._reap(self._clock())
-            if not self.sessions.close(session):
-                return 0
-            self.counters["sessions_closed"] += 1
-            if self.pages.view_pins is not None:
-                self.pages.view_pins.session_ended(session)
-            return self.leases.end_session(session)
+        return self.lifetimes.close_session(session)
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -360,7 +328,7 @@ class StoreCore:
                         f"chunk {key.hex()} is {size} bytes; namespace {ns_id.hex()} "
                         f"stores {info.chunk_bytes}-byte chunks",
                     )
-            self._reap(now)  # first: chunks of expired write leases are fresh again
+            self.lifetimes.expire(now)  # first: chunks of expired write leases are fresh again
             fresh = sum(1 for key in keys if self.pages.held(key, ns_id) is None)
             self.sessions.check(session)
             ttl = self.leases.ttl(ttl_s if ttl_s is not None else self.write_ttl_s)
@@ -414,7 +382,7 @@ class StoreCore:
                     "as_keys names each key of the commit once, in order",
                 )
         with self._lock:
-            self._reap(self._clock())
+            self.lifetimes.expire(self._clock())
             lease = self.leases.require(lease_id, LeaseKind.WRITE)
             entries = lease.select(keys)
             if len(checksums) != len(entries):
@@ -463,7 +431,7 @@ class StoreCore:
             self.limits.check_batch(len(keys))
         with self._lock:
             now = self._clock()
-            self._reap(now)
+            self.lifetimes.expire(now)
             lease = self.leases.require(lease_id, LeaseKind.WRITE)
             entries = lease.select(keys)
             lease.drop(entries)
@@ -515,72 +483,7 @@ class StoreCore:
         also calls this from a timer)."""
         with self._exclusive():
             now = self._clock()
-            self._reap(now)
+            self.lifetimes.expire(now)
             self.namespaces.retire_idle(now)
             if self.pages.view_pins is not None:
                 self.pages.view_pins.expire(self.limits.max_lease_lifetime_s)
-
-    def _reap(self, now: float) -> None:
-        """What time ended: quarantines, leases past their expiry, sessions without a
-        heartbeat (with every lease of theirs)."""
-        self.pages.release_quarantine(now)
-        self.leases.expire(now)
-        for session in self.sessions.pop_expired(now):
-            self.counters["sessions_expired"] += 1
-            self.leases.end_session(session)
-            if self.pages.view_pins is not None:
-                self.pages.view_pins.session_ended(session)
-        self.pages.release_view_held(now)
-
-    def snapshot(self) -> Snapshot:
-        with self._lock:
-            chunks: dict[bytes, list[bytes]] = {}
-            for entry in self.pages.table.values():
-                if entry.state is ChunkState.COMMITTED:
-                    chunks.setdefault(entry.namespace, []).append(entry.key)
-            return Snapshot(self.events.last_seq, chunks)
-
-    def stats(self) -> dict[str, int | float | str]:
-        with self._lock:
-            pages = self.pages.stats()
-            return {
-                "node_id": self.node_id,
-                "epoch": self.epoch,
-                "capacity_bytes": self.capacity_bytes,
-                "page_size": self.page_size,
-                **pages,
-                "namespaces": len(self.namespaces),
-                **self.leases.stats(),
-                "sessions": len(self.sessions),
-                "event_seq": self.events.last_seq,
-                # committed chunks whose checksum the store has not computed yet (a lookup
-                # with verify_loads ends before them)
-                "unsummed_chunks": len(self.checksums),
-                **self.counters,
-                **self.tenants.stats(),
-                **self._view_pin_stats(),
-            }
-
-    def _view_pin_stats(self) -> dict[str, int]:
-        pins = self.pages.view_pins
-        if pins is None:
-            return {}
-        # chunks engines pin themselves now; chunks out of the table whose pages a pin keeps
-        return {
-            "view_pinned_chunks": len(pins.holding()),
-            "view_held_chunks": len(self.pages.view_held),
-        }
-
-    def check_invariants(self) -> None:
-        """Assert that the components agree (tests and debug builds): the page accounting,
-        tenants' holdings, namespaces against chunks, leases against namespaces."""
-        with self._lock:
-            self.pages.check()
-            for tenant in self.tenants.all():
-                held = sum(e.pages for e in self.pages.table.values() if e.tenant is tenant)
-                assert held == tenant.held - self.leases.doomed_writing(tenant), tenant
-                assert tenant.quota is None or tenant.held <= tenant.quota, tenant
-            self.namespaces.check()
-            live = self.pages.live
-            for lease in self.leases.all():
-                assert all(e.namespace in live for e in lease.entries), lease.id

@@ -75,6 +75,7 @@ STATE_MACHINE = [  # StoreCore's lookup and the components it calls
     "store/state/core.py",
     "store/state/ids.py",  # a leased lookup's lease id
     "store/state/leases.py",
+    "store/state/lifetimes.py",  # what time ended, first in every operation
     "store/state/limits.py",
     "store/state/namespaces.py",
     "store/state/pages.py",
@@ -85,6 +86,7 @@ STATE_MACHINE = [  # StoreCore's lookup and the components it calls
 GRPC_CLIENT = [
     "store/client/grpc.py",
     "store/client/local.py",
+    "store/client/own_session.py",  # the client's session, the view's leases are taken under
     "store/client/view.py",
     "store/client/view_leases.py",
 ]
@@ -127,6 +129,7 @@ REMOTE = {
             "store/client/view_leases.py",  # the pulled chunks in the lease region's map
             "store/shared_view.py",  # the pulled chunks' records for the lease region's map
             "store/client/grpc.py",
+            "store/client/own_session.py",  # the session its lease of the holder's run is under
             "store/pool/allocator.py",
             "store/remote/directory.py",
             "store/remote/fetch.py",

@@ -61,10 +61,10 @@ def test_grpc_client_runs_its_session(store: StoreProcess) -> None:
         time.sleep(4)  # > 2 timeouts: the heartbeat thread keeps the session and lease alive
         assert client.release([lease]) == [LeaseStatus.OK]
         # The store ends the session (as it would after a long pause): the client re-opens.
-        first = client._session
+        first = client.open_own_session()  # the session open now (none is opened)
         assert admin.close_session(first) == 0
         lease = client.lookup(ns_id, keys(2), lease_ttl_s=300).lease_id
-        assert lease and client._session not in (0, first)
+        assert lease and client.open_own_session() not in (0, first)
         assert admin.stats()["read_leases"] == 1
         client.close()  # ends the session, and its lease with it
         stats = admin.stats()
