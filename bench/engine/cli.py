@@ -156,6 +156,28 @@ def bench_tp_numerics(
     write_report({"rows": rows}, json_out)
 
 
+def bench_session_turns(
+    model_family: Annotated[str, typer.Option(help="tiny model: qwen3-next, llama, ...")] = (
+        "qwen3-next"
+    ),
+    step_tokens: Annotated[int, typer.Option(help="vLLM's --max-num-batched-tokens")] = 1024,
+    chunk_tokens: Annotated[int, typer.Option(help="kvtier's chunk (1: one KV block)")] = 1,
+    first_tokens: Annotated[int, typer.Option(help="the first turn's prompt")] = 1500,
+    turn_tokens: Annotated[int, typer.Option(help="tokens each turn adds")] = 800,
+    turns: Annotated[int, typer.Option(help="turns of the session")] = 4,
+    json_out: JsonOut = None,
+) -> None:
+    """A session's turns on another instance of the node: kvtier's DRAM hit per turn beside
+    vLLM's own prefix cache on the instance that computed it, and exactness."""
+    from kvtier.bench.engine import session_turns
+
+    report = session_turns.run(
+        model_family, step_tokens, chunk_tokens, first_tokens, turn_tokens, turns
+    )
+    session_turns.print_report(report)
+    write_report(report, json_out)
+
+
 def register(app: typer.Typer) -> None:
     """Add these commands to ``kvtier bench``."""
     app.command("tier-latency")(bench_tier_latency)
@@ -163,3 +185,4 @@ def register(app: typer.Typer) -> None:
     app.command("pool-footprint")(bench_pool_footprint)
     app.command("decode-overhead")(bench_decode_overhead)
     app.command("tp-numerics")(bench_tp_numerics)
+    app.command("session-turns")(bench_session_turns)
