@@ -2,6 +2,9 @@
 
 - ``api``: ``ChunkIndex``, the one interface of every backend and client, and its types.
   May import: ``kvtier.store.api``, ``kvtier.core``.
+- ``rules``: the checks, cursor rule and errors every implementation of ``api`` shares (the
+  index's side: clients do not import it). May import: ``api``, ``kvtier.store.api``,
+  ``kvtier.core``.
 - ``client``: the gRPC client and the announcer, importable without the server.
 - ``backends``: ``memory`` (embedded, and the reference) and ``redis`` (shared, durable).
 - ``ingest``: followers of the sources that feed it (vLLM KV events, node stores' event

@@ -34,6 +34,9 @@ from kvtier.index.api import (
     Query,
     QueryResult,
     Registration,
+)
+from kvtier.index.client.changes import LocationDump
+from kvtier.index.rules import (
     check_cursor,
     check_holdings,
     check_ops,
@@ -44,7 +47,6 @@ from kvtier.index.api import (
     unknown_location,
     unserved_namespace,
 )
-from kvtier.index.client.changes import LocationDump
 from kvtier.store.api.events import EventKind
 
 _NO_CURSOR = Cursor(0, 0)

@@ -50,6 +50,11 @@ from kvtier.index.api import (
     Query,
     QueryResult,
     Registration,
+)
+from kvtier.index.backends import redis_lua
+from kvtier.index.backends.redis_shard import ShardClient
+from kvtier.index.backends.redis_watch import GenerationWatch
+from kvtier.index.rules import (
     check_holdings,
     check_ops,
     check_registration,
@@ -60,9 +65,6 @@ from kvtier.index.api import (
     unknown_location,
     unserved_namespace,
 )
-from kvtier.index.backends import redis_lua
-from kvtier.index.backends.redis_shard import ShardClient
-from kvtier.index.backends.redis_watch import GenerationWatch
 from kvtier.store.api.events import EventKind
 
 log = logging.getLogger(__name__)

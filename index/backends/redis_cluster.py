@@ -69,14 +69,16 @@ from kvtier.index.api import (
     Query,
     QueryResult,
     Registration,
+)
+from kvtier.index.backends.redis import RedisIndex
+from kvtier.index.backends.redis_shard import ShardClient, shard_tags
+from kvtier.index.rules import (
     check_holdings,
     check_ops,
     check_seq_range,
     order_holdings,
     resolve_keys,
 )
-from kvtier.index.backends.redis import RedisIndex
-from kvtier.index.backends.redis_shard import ShardClient, shard_tags
 from kvtier.store.api.events import EventKind
 
 Placement = Literal["namespace", "chunk"]

@@ -1,18 +1,23 @@
-"""How ``BlockMapper`` records vLLM blocks and the chunk windows they fall in.
+"""How ``BlockMapper`` records vLLM blocks and the chunk windows they fall in, and how it
+holds and keys their tokens.
 
 The mapper holds one record per cached block (a vLLM instance caches millions), so records
 are plain lists indexed by the constants below (creating one costs half a ``__slots__``
-object), and a block's presence in the three media is one packed int. See
-``vllm_blocks`` for what the records mean to the mapping.
+object), and a block's presence in the three media is one packed int. Tokens are kept as
+u32le bytes (``u32le``), the form chunk keys hash (``chunk_keys_after``). See
+``vllm_blocks`` for what the records mean to the mapping, ``chunk_presence`` for the counts.
 
 Threading: owned by one mapper, which is not thread-safe.
 """
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Sequence
 
 from kvtier.core.chunks import Tier
+from kvtier.core.keys import key_digest
 from kvtier.index.ingest.vllm_wire import BlockHash
 
 MEDIA: dict[str | None, int] = {"GPU": 0, "CPU": 1, "STORAGE": 2, None: 0}
@@ -94,3 +99,19 @@ def tail_of(blk: Block, win: Window) -> bytes:
     if len(tail) == 4 * (end - start):
         return tail
     return tail[4 * (start - win.start) : 4 * (end - win.start)]
+
+
+def chunk_keys_after(chain: Keys, body: bytes) -> Keys:
+    """The keys of the chunk of tokens ``body`` (u32le) after the chunk keyed ``chain``, one
+    per namespace (nearly always one: no tuple built from a generator then)."""
+    if len(chain) == 1:
+        return (key_digest(chain[0] + body),)
+    return tuple(key_digest(k + body) for k in chain)
+
+
+def u32le(tokens: list[int]) -> bytes:
+    """Token ids as the u32le bytes records hold and keys hash."""
+    packed = array.array("I", tokens)
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()

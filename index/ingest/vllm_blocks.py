@@ -6,7 +6,8 @@ vLLM names a cached block by an engine hash chained over its prefix; kvtier name
 them, which is enough to compute canonical keys without reproducing vLLM's hash (so neither
 its algorithm nor ``PYTHONHASHSEED`` matters). This module keeps, per engine hash, what the
 next block needs to continue the chain, and turns stored/removed/cleared blocks into
-stored/removed/cleared chunk entries.
+stored/removed/cleared chunk entries. Its block records are laid out in ``block_records``;
+which chunks each medium holds, and the ops that changes in it produce, is ``chunk_presence``.
 
 Geometry. With token offsets ``[start, end)`` per block (a block starts where its parent
 ends), a *window* is one chunk's span ``[w, w + C)``:
@@ -32,8 +33,6 @@ Threading: not thread-safe; one mapper per instance, owned by its follower threa
 
 from __future__ import annotations
 
-import array
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -41,13 +40,11 @@ from typing import Any
 from kvtier.core.chunks import Tier
 from kvtier.core.keys import Namespace, salt_digest
 from kvtier.core.keys import key_digest as _digest
-from kvtier.index.api import ChunkOp
 from kvtier.index.ingest.block_records import (
     COUNT,
     DONE,
     END,
     MEDIA,
-    MEDIUM_TIERS,
     ONE,
     PARENT,
     REFS,
@@ -58,8 +55,11 @@ from kvtier.index.ingest.block_records import (
     Block,
     Keys,
     Window,
+    chunk_keys_after,
     tail_of,
+    u32le,
 )
+from kvtier.index.ingest.chunk_presence import ChunkPresence
 from kvtier.index.ingest.vllm_wire import (
     AllBlocksCleared,
     BlockHash,
@@ -70,8 +70,9 @@ from kvtier.index.ingest.vllm_wire import (
 from kvtier.store.api.events import EventKind
 
 
-class BlockMapper:
-    """Maps one instance's KV events to chunk ops. See the module docstring."""
+class BlockMapper(ChunkPresence):
+    """Maps one instance's KV events to chunk ops. See the module docstring; the presence
+    counts and the ops they emit are ``ChunkPresence``'s."""
 
     def __init__(self, namespaces: Sequence[Namespace]) -> None:
         if not namespaces:
@@ -87,10 +88,8 @@ class BlockMapper:
         self._blocks: dict[BlockHash, Block] = {}
         self._windows: dict[BlockHash, Window] = {}
         self._group: int | None = None  # the full-attention KV cache group we follow
-        self._pending: list[list[Any]] = []  # [kind, tier, {ns: [keys]}] in order
-        # chunks held per medium, counted: a chunk inside blocks larger than it can be held
-        # by several blocks (same first tokens, different rest)
-        self._chunks_held: list[dict[tuple[int, Keys], int]] = [{}, {}, {}]
+        self._pending = []  # these two: see ChunkPresence
+        self._chunks_held = [{}, {}, {}]
         self.counts: Counter[str] = Counter()
 
     # -- public -----------------------------------------------------------------------------
@@ -111,27 +110,6 @@ class BlockMapper:
                 self.removed(event)  # type: ignore[arg-type]
             elif kind is AllBlocksCleared:
                 self.cleared()
-
-    def take_ops(self) -> list[ChunkOp]:
-        """The chunk ops produced since the last call, in order."""
-        ops = [
-            ChunkOp(kind, tier, ns, tuple(keys))
-            for kind, tier, by_ns in self._pending
-            for ns, keys in (by_ns.items() if by_ns else [(b"", [])])
-        ]
-        self._pending = []
-        return ops
-
-    def holdings(self) -> dict[Tier, dict[bytes, list[bytes]]]:
-        """Every chunk held, per tier and namespace: the whole state, for a resync."""
-        out: dict[Tier, dict[bytes, list[bytes]]] = {}
-        for m, held in enumerate(self._chunks_held):
-            if held:
-                by_ns = out.setdefault(MEDIUM_TIERS[m], {})
-                for nsx, keys in held:
-                    for ns, key in zip(self._nsets[nsx], keys, strict=True):
-                        by_ns.setdefault(ns, []).append(key)
-        return out
 
     def reset(self) -> None:
         """Forget everything (the engine restarted)."""
@@ -174,7 +152,7 @@ class BlockMapper:
             self.counts["malformed"] += 1
             return
         try:
-            data = _u32le(ev.token_ids)
+            data = u32le(ev.token_ids)
         except (OverflowError, TypeError):
             self.counts["malformed"] += 1
             return
@@ -308,7 +286,7 @@ class BlockMapper:
         per = C // bs
         chain, nsx = chain_nsx
         body = data[offset : offset + 4 * C]
-        keys = _chunk_keys(chain, body)
+        keys = chunk_keys_after(chain, body)
         path = hashes[i : i + per]
         win = self._windows[path[0]] = Window(chain, start, nsx, path[0])
         win.live = per
@@ -402,7 +380,7 @@ class BlockMapper:
                     held = False
             parts.reverse()
             body = b"".join(parts)
-            keys = _chunk_keys(win.chain, body)
+            keys = chunk_keys_after(win.chain, body)
             blk[DONE] = (keys,)
             win.add_chunk((keys, h), path)
             if held:
@@ -434,7 +412,7 @@ class BlockMapper:
         """``_place`` for a chunk that arrived whole in one event (no walk needed)."""
         body = data[offset : offset + 4 * self.chunk_tokens]
         chain = win.chain
-        keys = _chunk_keys(chain, body)
+        keys = chunk_keys_after(chain, body)
         win.live += 1
         blk[WIN] = win
         blk[DONE] = (keys,)
@@ -469,102 +447,9 @@ class BlockMapper:
             self.new_namespaces.extend(derived)
         return nsx
 
-    def _held(self, h: BlockHash, blk: Block, m: int) -> bool:
-        """Is the chunk ending in ``blk`` held in medium ``m`` (every block of it present)?"""
-        shift = SHIFT * m
-        if blk[END] - blk[START] > self.chunk_tokens:  # whole windows in one block
-            return bool((blk[REFS] >> shift) & COUNT)
-        win = blk[WIN]
-        cur: Block | None = blk
-        while True:
-            if cur is None or cur[WIN] is not win or not (cur[REFS] >> shift) & COUNT:
-                return False
-            if cur[START] <= win.start:
-                return True
-            cur = self._blocks.get(cur[PARENT])
-
-    def _recheck(self, h: BlockHash, blk: Block, m: int, kind: EventKind) -> None:
-        """``blk`` just appeared in medium ``m`` / is about to leave it: emit every chunk
-        through it that this completes / breaks."""
-        win = blk[WIN]
-        if win is None:
-            return
-        if blk[END] - blk[START] > self.chunk_tokens:
-            if (blk[REFS] >> (SHIFT * m)) & COUNT:
-                for keys in blk[DONE]:
-                    self._emit(kind, m, win, keys)
-            return
-        for keys, end_hash in win.chunks_through(h):
-            last = self._blocks.get(end_hash)
-            if last is not None and last[WIN] is win and self._held(end_hash, last, m):
-                self._emit(kind, m, win, keys)
-
-    def _add_ref(self, h: BlockHash, blk: Block, m: int) -> None:
-        first = not (blk[REFS] >> (SHIFT * m)) & COUNT
-        blk[REFS] += ONE[m]
-        if first:
-            self._recheck(h, blk, m, EventKind.STORED)
-
-    def _emit(self, kind: EventKind, m: int, win: Window, keys: Keys) -> None:
-        held = self._chunks_held[m]
-        name = (win.nsx, keys)
-        count = held.get(name, 0)
-        if kind is EventKind.STORED:
-            held[name] = count + 1
-            if count:
-                return
-        elif count > 1:
-            held[name] = count - 1
-            return
-        elif count == 1:
-            del held[name]
-        else:  # pragma: no cover - every removal follows its store
-            return
-        tier = MEDIUM_TIERS[m]
-        pending = self._pending
-        if pending and pending[-1][0] is kind and pending[-1][1] is tier:
-            by_ns = pending[-1][2]
-        else:
-            by_ns = {}
-            pending.append([kind, tier, by_ns])
-        for ns, key in zip(self._nsets[win.nsx], keys, strict=True):
-            got = by_ns.get(ns)
-            if got is None:
-                by_ns[ns] = [key]
-            else:
-                got.append(key)
-
-    def _release(self, blk: Block) -> None:
-        win: Window | None = blk[WIN]
-        blk[WIN] = None
-        if win is not None:
-            win.live -= 1
-            first = win.first
-            if not win.live and self._windows.get(first) is win:
-                del self._windows[first]
-
-    def _forget(self, h: BlockHash, blk: Block) -> None:
-        del self._blocks[h]
-        self._release(blk)
-
-
-def _chunk_keys(chain: Keys, body: bytes) -> Keys:
-    """The keys of the chunk of tokens ``body`` (u32le) after the chunk keyed ``chain``, one
-    per namespace (nearly always one: no tuple built from a generator then)."""
-    if len(chain) == 1:
-        return (_digest(chain[0] + body),)
-    return tuple(_digest(k + body) for k in chain)
-
 
 def _plain_extra(ev: BlockStored, extra: Any) -> bool:
     """A later block's extra keys may only repeat the LoRA name."""
     if not extra:
         return True
     return list(extra) == [ev.lora_name] if ev.lora_name else False
-
-
-def _u32le(tokens: list[int]) -> bytes:
-    packed = array.array("I", tokens)
-    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
-        packed.byteswap()
-    return packed.tobytes()

@@ -52,6 +52,8 @@ from kvtier.index.api import (
     Query,
     QueryResult,
     Registration,
+)
+from kvtier.index.rules import (
     check_holdings,
     check_ops,
     check_registration,
