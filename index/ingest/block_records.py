@@ -4,7 +4,7 @@ holds and keys their tokens.
 The mapper holds one record per cached block (a vLLM instance caches millions), so records
 are plain lists indexed by the constants below (creating one costs half a ``__slots__``
 object), and a block's presence in the three media is one packed int. Tokens are kept as
-u32le bytes (``u32le``), the form chunk keys hash (``chunk_keys_after``). See
+u32le bytes (``BlockStored.tokens_u32le``), the form chunk keys hash (``chunk_keys_after``). See
 ``vllm_blocks`` for what the records mean to the mapping, ``chunk_presence`` for the counts.
 
 Threading: owned by one mapper, which is not thread-safe.
@@ -12,8 +12,6 @@ Threading: owned by one mapper, which is not thread-safe.
 
 from __future__ import annotations
 
-import array
-import sys
 from collections.abc import Sequence
 
 from kvtier.core.chunks import Tier
@@ -107,11 +105,3 @@ def chunk_keys_after(chain: Keys, body: bytes) -> Keys:
     if len(chain) == 1:
         return (key_digest(chain[0] + body),)
     return tuple(key_digest(k + body) for k in chain)
-
-
-def u32le(tokens: list[int]) -> bytes:
-    """Token ids as the u32le bytes records hold and keys hash."""
-    packed = array.array("I", tokens)
-    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
-        packed.byteswap()
-    return packed.tobytes()

@@ -57,9 +57,9 @@ from kvtier.index.ingest.block_records import (
     Window,
     chunk_keys_after,
     tail_of,
-    u32le,
 )
 from kvtier.index.ingest.chunk_presence import ChunkPresence
+from kvtier.index.ingest.native import new_records
 from kvtier.index.ingest.vllm_wire import (
     AllBlocksCleared,
     BlockHash,
@@ -140,7 +140,7 @@ class BlockMapper(ChunkPresence):
         bs = ev.block_size
         hashes = ev.block_hashes
         blocks = self._blocks
-        if bs <= 0 or not ev.token_ids:  # token-less (an offloading tier): known hashes only
+        if bs <= 0 or not ev.num_tokens:  # token-less (an offloading tier): known hashes only
             for h in hashes:
                 blk = blocks.get(h)
                 if blk is None:
@@ -148,11 +148,11 @@ class BlockMapper(ChunkPresence):
                 else:
                     self._add_ref(h, blk, m)
             return
-        if len(ev.token_ids) != bs * len(hashes):
+        if ev.num_tokens != bs * len(hashes):
             self.counts["malformed"] += 1
             return
         try:
-            data = u32le(ev.token_ids)
+            data = ev.tokens_u32le()  # as the C decoder read them, or packed here
         except (OverflowError, TypeError):
             self.counts["malformed"] += 1
             return
@@ -292,13 +292,17 @@ class BlockMapper(ChunkPresence):
         win.live = per
         parents = hashes[i - 1 : i + per - 1] if i else [parent_hash, *path[:-1]]
         one = ONE[m]
-        records: list[Block] = [  # the blocks inside share the chunk's tokens as their tail
-            [ph, s, s + bs, win, body, one, ()]
-            for ph, s in zip(parents, range(start, start + C, bs), strict=True)
-        ]
-        last = records[-1]
+        # the blocks inside share the chunk's tokens as their tail
+        if new_records is not None:  # the same records, built in C (native.py)
+            last = new_records(self._blocks, path, parents, start, bs, win, body, one)
+        else:
+            records: list[Block] = [
+                [ph, s, s + bs, win, body, one, ()]
+                for ph, s in zip(parents, range(start, start + C, bs), strict=True)
+            ]
+            last = records[-1]
+            self._blocks.update(zip(path, records, strict=True))
         last[TAIL], last[DONE] = None, (keys,)
-        self._blocks.update(zip(path, records, strict=True))
         win.add_chunk((keys, path[-1]), path)
         self._emit(EventKind.STORED, m, win, keys)
         return last
