@@ -171,6 +171,12 @@ def bench_session_turns(
     vLLM's own prefix cache on the instance that computed it, and exactness."""
     from kvtier.bench.engine import session_turns
 
+    last = first_tokens + (turns - 1) * turn_tokens
+    if turns < 2 or last + 8 > session_turns.MAX_MODEL_LEN:
+        raise typer.BadParameter(
+            f"at least 2 turns, the last ({last} tokens) within the tiny models' "
+            f"{session_turns.MAX_MODEL_LEN} positions"
+        )
     report = session_turns.run(
         model_family, step_tokens, chunk_tokens, first_tokens, turn_tokens, turns
     )
