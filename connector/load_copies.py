@@ -13,8 +13,8 @@ import dataclasses
 
 from kvtier.connector.group_blocks import GroupBlocks, UnfillableBlocks, load_blocks
 from kvtier.connector.layout import MAMBA, KvGeometry
-from kvtier.connector.lookup import LookupOutcome
 from kvtier.connector.metadata import ChunkCopy
+from kvtier.connector.request_state import LookupOutcome
 
 
 def load_copies(

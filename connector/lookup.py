@@ -1,183 +1,36 @@
-"""Per request: what the scheduler side keeps (``RequestState``), and the tier-first lookup of
-its prompt (``TierResolver.resolve``): how much the node pool holds past vLLM's own hit, then
-how much more each staging tier (another node's pool, ...) can bring into the pool, all
-leased for the load.
+"""The tier-first lookup of a request's prompt (``TierResolver.resolve``): how much the node
+pool holds past vLLM's own hit, then how much more each staging tier (another node's pool,
+the node's disk) can bring into the pool, all leased for the load; and the namespaces a
+request's chunks live in. Every lease taken is handed to the outcome or released before
+``resolve`` returns, also when it raises. What a request keeps between hooks:
+``request_state.py``.
 
-A request's inputs can change while it lives (vLLM's streaming-input sessions append prompt
-tokens, drop the last sampled token, and may add an image later), so ``refresh()`` runs at
-every hook: it re-evaluates cacheability and drops the keys of chunks whose tokens are not
-computed yet. A ``LookupOutcome`` remembers, per TP rank, which store incarnation (epoch) its
-extents belong to: a store that restarts between the lookup and the load has another pool,
-and the load fails instead of copying the old pool's offsets out of the new one. Every lease
-taken is handed to the outcome or released before ``resolve`` returns, also when it raises.
-
-Threading: ``resolve`` runs on a ``kvtier-lookup`` thread (inline for an embedded store); a
-``RequestState``'s keyers are guarded by its lock (the alloc thread keys saves too).
+Threading: ``resolve`` runs on a ``kvtier-lookup`` thread (inline for an embedded store);
+``known_miss`` on vLLM's scheduler thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.counters import C, Counter, stage_counters
 from kvtier.connector.fingerprint import AdapterFingerprints
 from kvtier.connector.layout import KvGeometry, ModelIdentity
+from kvtier.connector.request_state import LookupOutcome, RequestState, take_leases
 from kvtier.core import engine_hint
 from kvtier.core.chunks import ChunkLocation
 from kvtier.core.config.connector import ConnectorConfig
 from kvtier.core.errors import ErrorCode, KvtierError
-from kvtier.core.keys import MediaItem, Namespace, PromptKeyer, salt_digest
+from kvtier.core.keys import Namespace, PromptKeyer
 from kvtier.tiers import Tiers
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     from vllm.v1.request import Request
 
 Count = Callable[[Counter, float], None]
-
-
-def inputs_of(request: Request) -> tuple[int, int, bool]:
-    """What identifies a request's inputs: prompt length, multimodal items, embeddings."""
-    return (
-        request.num_prompt_tokens,
-        len(request.mm_features or ()),
-        getattr(request, "prompt_embeds", None) is not None,
-    )
-
-
-def cacheable(request: Request) -> bool:
-    """Token ids and multimodal items' identities determine the KV (not prompt embeddings)."""
-    return request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
-
-
-def media_of(request: Request) -> tuple[MediaItem, ...]:
-    """The request's multimodal items, as chunk keys name them (``core/keys.py``): a chunk
-    overlapping an item's placeholders is keyed by the item too, as vLLM's own prefix cache
-    keys its blocks, so two images at the same placeholder positions never share KV."""
-    return tuple(
-        MediaItem(f.mm_position.offset, f.mm_position.length, str(f.identifier))
-        for f in request.mm_features or ()
-    )
-
-
-@dataclass
-class LookupOutcome:
-    """What the tiers hold past ``computed`` tokens (vLLM's own hit) for one request."""
-
-    computed: int  # vLLM's local hit this outcome was computed for
-    first_chunk: int  # chunk holding token ``computed``
-    hits: dict[int, list[ChunkLocation]] = field(default_factory=dict)  # per rank, leased
-    epochs: dict[int, int] = field(default_factory=dict)  # per rank: incarnation of the hits
-    lease_ids: list[int] = field(default_factory=list)  # every lease taken (all ranks, tiers)
-    leased_at: float = field(default_factory=time.monotonic)
-    tokens: int = 0  # tokens vLLM may skip (0 when the run is not worth a load)
-    sources: dict[str, int] = field(default_factory=dict)  # tier name -> tokens of ``tokens``
-    consumed: bool = False  # turned into a LoadJob
-    released: bool = False
-    lease_lost: bool = False  # a renewal found a lease gone: never load from it
-    session_generation: int = 0  # the store session the leases were taken under
-    lease_ttl_s: float = 0.0  # the shortest TTL the store granted its leases (0: none yet)
-
-    def granted(self, lease_ttl_s: float) -> None:
-        """Record a lease's granted TTL: the store may cap what was asked without an error."""
-        if lease_ttl_s > 0:
-            self.lease_ttl_s = min(self.lease_ttl_s or lease_ttl_s, lease_ttl_s)
-
-
-@dataclass
-class RequestState:
-    request: Request
-    salt: str  # salt_digest(request.cache_salt)
-    lora_path: str  # the adapter's files ('' for the base model)
-    inputs: tuple[int, int, bool]
-    cacheable: bool
-    generation: int  # the namespace generation ns_ids were resolved for
-    ns_ids: dict[int, bytes] | None = None  # per TP rank, set by the first lookup or save
-    # per TP rank: the sibling namespace of chunks stored without state (``has_state``)
-    attention_ns_ids: dict[int, bytes] | None = None
-    keyers: dict[int, PromptKeyer] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    lookup: Future[LookupOutcome] | None = None
-    lookup_for: int = -1  # vLLM's local hit the lookup in flight (or last done) is for
-    lookup_deadline: float = 0.0
-    lookup_waited: bool = False  # a step waited for the lookup in flight once: no step again
-    gave_up_for: int = -1  # a lookup for this local hit ran past its deadline: answer 0
-    outcome: LookupOutcome | None = None
-    save_from_chunk: int = 0  # chunks before this were hits, not computed here
-    saved_upto: int = 0  # chunks [save_from_chunk, saved_upto) already planned for saving
-    load_tokens: int = 0  # external tokens of the load in flight
-    no_external: bool = False  # a load failed: this request recomputes from here on
-    # Tokens [from, upto) whose device blocks a load failed to fill (and everything computed
-    # over them): never saved unless a step of this request recomputes them. vLLM rewinds the
-    # request to recompute, but a preempted request can resume on a device hit over them.
-    unfilled: tuple[int, int] | None = None
-
-    @classmethod
-    def of(cls, request: Request, generation: int) -> RequestState:
-        lora = request.lora_request
-        return cls(
-            request=request,
-            salt=salt_digest(request.cache_salt),
-            lora_path=(getattr(lora, "lora_path", "") or "") if lora else "",
-            inputs=inputs_of(request),
-            cacheable=cacheable(request),
-            generation=generation,
-        )
-
-    def refresh(self, generation: int, chunk_tokens: int) -> bool:
-        """Follow changed inputs or a namespace bump. True when anything was reset (any lookup
-        outcome is then stale: the caller drops it)."""
-        changed = False
-        inputs = inputs_of(self.request)
-        if inputs != self.inputs:
-            self.inputs = inputs
-            self.cacheable = cacheable(self.request)
-            stable = self.request.num_computed_tokens // chunk_tokens
-            with self.lock:
-                for keyer in self.keyers.values():
-                    keyer.truncate(stable)
-            self.saved_upto = min(self.saved_upto, stable)
-            self.save_from_chunk = min(self.save_from_chunk, stable)
-            changed = True
-        if generation != self.generation:
-            self.generation = generation
-            with self.lock:
-                self.ns_ids = self.attention_ns_ids = None
-                self.keyers = {}
-            changed = True
-        return changed
-
-    def recomputes(self, computed: int, count: int, chunk_tokens: int) -> None:
-        """A step of ``count`` tokens from ``computed``: follow the recompute of unfilled
-        tokens; a step that starts past them (they were skipped, not recomputed) moves the
-        first savable chunk past its start."""
-        if self.unfilled is None:
-            return
-        start, upto = self.unfilled
-        if computed > start:
-            first_clean = -(-computed // chunk_tokens)
-            self.save_from_chunk = max(self.save_from_chunk, first_clean)
-            self.saved_upto = max(self.saved_upto, first_clean)
-            self.unfilled = None
-        elif computed + count >= upto:
-            self.unfilled = None
-        else:
-            self.unfilled = (max(start, computed + count), upto)
-
-    def keys(self, rank: int, upto_chunks: int, chunk_tokens: int) -> list[bytes]:
-        """Keys of the first ``upto_chunks`` chunks of the request's tokens (so far)."""
-        with self.lock:
-            keyer = self.keyers[rank]
-            if len(keyer.keys) < upto_chunks:
-                tokens: Any = self.request.all_token_ids
-                keyer.extend(tokens[: upto_chunks * chunk_tokens], media_of(self.request))
-            return keyer.keys[:upto_chunks]
 
 
 # A known miss is decided on the scheduler thread only while the chunk it needs is among the
@@ -534,11 +387,3 @@ class TierResolver:
             return
         with contextlib.suppress(KvtierError):
             self.pool.release(lease_ids)
-
-
-def take_leases(outcome: LookupOutcome) -> list[int]:
-    """Mark the outcome released and return the lease ids to give back (once; [] after)."""
-    if outcome.released:
-        return []
-    outcome.released = True
-    return list(outcome.lease_ids)

@@ -34,7 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Literal
 
 from kvtier.connector.counters import C, Counter
-from kvtier.connector.lookup import LookupOutcome, RequestState
+from kvtier.connector.request_state import LookupOutcome, RequestState
 from kvtier.core.config.connector import ConnectorConfig
 
 log = logging.getLogger(__name__)

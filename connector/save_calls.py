@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from kvtier.connector.counters import C, Counter
 from kvtier.connector.layout import KvGeometry
-from kvtier.connector.lookup import RequestState
 from kvtier.connector.metadata import SaveJob
+from kvtier.connector.request_state import RequestState
 from kvtier.connector.save_slab import SaveSlab, Slot, by_lease
 from kvtier.core.errors import KvtierError
 from kvtier.store.api.types import AllocateCall, AllocateResult, CommitCall

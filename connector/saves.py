@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from kvtier.connector.counters import SAVE_STATUS, C, Counter
 from kvtier.connector.group_blocks import GroupBlocks, real_blocks, save_blocks
 from kvtier.connector.layout import KvGeometry
-from kvtier.connector.lookup import RequestState
 from kvtier.connector.metadata import ChunkCopy, SaveJob
+from kvtier.connector.request_state import RequestState
 from kvtier.connector.save_calls import AllocationAsk, PendingSave, SaveCalls
 from kvtier.connector.save_slab import SaveSlab, Slot
 from kvtier.core.chunks import SegmentRef

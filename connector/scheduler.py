@@ -34,9 +34,10 @@ from kvtier.connector.counters import HIT_TOKENS, C, Counter, Tally
 from kvtier.connector.group_blocks import GroupBlocks, UnfillableBlocks, real_blocks
 from kvtier.connector.layout import KvGeometry, ModelIdentity
 from kvtier.connector.load_copies import load_copies, tokens_by_tier
-from kvtier.connector.lookup import LookupOutcome, RequestState, TierResolver, take_leases
+from kvtier.connector.lookup import TierResolver
 from kvtier.connector.lookup_waits import LookupWaits
 from kvtier.connector.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadJob, SegmentRef
+from kvtier.connector.request_state import LookupOutcome, RequestState, take_leases
 from kvtier.connector.save_slab import SaveSlab, holds_space, slots_target
 from kvtier.connector.saves import SavePlanner
 from kvtier.core.config.connector import ConnectorConfig

@@ -62,6 +62,7 @@ ENGINE = [  # every hit: vLLM's hooks, the scheduler side, the pool tier, the wo
     "connector/lookup.py",
     "connector/lookup_waits.py",  # the lookup in flight, waited for within the step's budget
     "connector/paged_kv.py",
+    "connector/request_state.py",  # what a request keeps, what its lookup found
     "connector/scheduler.py",
     "connector/streams.py",
     "connector/sync_loads.py",  # the layer-wise load thread

@@ -118,7 +118,8 @@ def test_lora_namespace_follows_the_adapter_weights_not_its_name(
     from vllm.v1.request import Request
 
     from kvtier.connector.layout import KvGeometry, ModelIdentity
-    from kvtier.connector.lookup import RequestState, TierResolver
+    from kvtier.connector.lookup import TierResolver
+    from kvtier.connector.request_state import RequestState
     from kvtier.core.config.connector import ConnectorConfig
     from kvtier.tiers import Tiers
 

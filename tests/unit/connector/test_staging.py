@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.connector.layout import KvGeometry, ModelIdentity
-from kvtier.connector.lookup import RequestState, TierResolver
+from kvtier.connector.lookup import TierResolver
+from kvtier.connector.request_state import RequestState
 from kvtier.core.config import StoreConfig
 from kvtier.core.config.connector import ConnectorConfig
 from kvtier.tiers import Tiers, connect

@@ -55,8 +55,8 @@ from vllm import SamplingParams
 from vllm.v1.request import Request
 
 from kvtier.connector.layout import KvGeometry, ModelIdentity
-from kvtier.connector.lookup import RequestState
 from kvtier.connector.metadata import KvtierMetadata, KvtierWorkerMetadata
+from kvtier.connector.request_state import RequestState
 from kvtier.connector.scheduler import ConnectorScheduler
 from kvtier.connector.worker import ConnectorWorker
 from kvtier.core.config import StoreConfig
