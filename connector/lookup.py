@@ -211,7 +211,7 @@ class TierResolver:
                 if not self._may_stage(tier, state, first + run):
                     self._count(C.REMOTE_HINT_SKIPS, 1)
                     break
-                more = self._stage_rounds(tier, ns_ids, keys, run, outcome)
+                more = self._stage_tier(tier, state, ns_ids, keys, run, outcome)
                 if not more:
                     break
                 runs.append((tier.name, more))
@@ -305,6 +305,31 @@ class TierResolver:
             outcome.hits[rank] = hits[:run]
         return run
 
+    def _stage_tier(
+        self,
+        tier: Any,
+        state: RequestState,
+        ns_ids: dict[int, bytes],
+        keys: dict[int, list[bytes]],
+        run: int,
+        outcome: LookupOutcome,
+    ) -> int:
+        """The chunks ``tier`` adds to the run after ``run``: for a model with state, staged
+        from the whole chunks' and the attention-alone namespaces in turn (as
+        ``_lookup_with_state``) until neither continues it; the hit's end is cut back to a
+        whole chunk afterwards (``_with_state_at_end``). Only the first stage of all must be
+        worth ``min_hit_tokens``: past it the run is long enough."""
+        if not self.geometry.has_state:
+            return self._stage_rounds(tier, ns_ids, keys, run, outcome)
+        namespaces = (ns_ids, self.namespaces(state, attention_only=True))
+        total, turn, fruitless = 0, 0, 0
+        while fruitless < 2:
+            more = self._stage_rounds(tier, namespaces[turn], keys, run + total, outcome, not total)
+            total += more
+            fruitless = 0 if more else fruitless + 1
+            turn ^= 1
+        return total
+
     def _stage_rounds(
         self,
         tier: Any,
@@ -312,6 +337,7 @@ class TierResolver:
         keys: dict[int, list[bytes]],
         run: int,
         outcome: LookupOutcome,
+        first: bool = True,
     ) -> int:
         """``_stage``, again for the rest while a tier that stages in rounds
         (``StagingTier.stages_in_rounds``: the node's disk, whose store allocates at most
@@ -320,7 +346,7 @@ class TierResolver:
         Without this a disk hit longer than that share of the pool was cut there and the
         rest recomputed. Returns the chunks added to ``outcome``."""
         total = 0  # ``_stage`` answers 0 once the run reaches the prompt's end
-        while more := self._stage(tier, ns_ids, keys, run + total, outcome, not total):
+        while more := self._stage(tier, ns_ids, keys, run + total, outcome, first and not total):
             total += more
             if not tier.stages_in_rounds:
                 break

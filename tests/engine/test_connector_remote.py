@@ -159,3 +159,43 @@ def test_holder_failures_end_in_recompute(
         if k.startswith("vllm:kvtier_remote_fetch_") and k != "vllm:kvtier_remote_fetch_seconds"
     )
     assert failures >= 1
+
+
+def test_a_mamba_hybrids_remote_hit_runs_through_chunks_stored_without_state(
+    run_dir: Path, cluster, tmp_path: Path
+) -> None:
+    """Qwen3-Next geometry in prefill steps of two chunks: node B stores every other chunk as
+    its attention alone (no state there); node A pulls the run from both namespaces in turn
+    and loads it up to the last chunk with its state, exactly."""
+    from kvtier.testing.models import make_tiny_qwen3_next
+
+    a, b, index = cluster
+    model = str(make_tiny_qwen3_next(tmp_path / "qwen3-next"))
+    steps = {"engine_args": {"max_num_batched_tokens": 2 * CHUNK}}
+    (prompt,) = prompts(13, [600])
+
+    def engine(phases: list[dict], store: StoreProcess) -> list:
+        extra = {
+            "chunk_tokens": CHUNK,
+            "min_hit_tokens": {"cpu": CHUNK, "remote": CHUNK},
+            "store_address": store.address,
+            "index_address": index.address,
+            "tiers": ["cpu", "remote"],
+            "remote_fetch_timeout_s": 3.0,
+        }
+        connector = kvtier_transfer_config(extra)
+        spec = {"model": model, "phases": phases, "kv_transfer_config": connector, **steps}
+        return run_vllm(spec, vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir)))
+
+    reference, metrics_b = engine(
+        [{"op": "generate", "prompts": [prompt], "prompt_logprobs": True}, {"op": "metrics"}], b
+    )
+    assert metrics_b["vllm:kvtier_save_no_state"] >= 4  # chunks 1, 3, 5 and 7 at least
+    wait_indexed(index, "node-b", 9)  # both namespaces' chunks
+    remote, metrics = engine([{"op": "generate", "prompts": [prompt]}, {"op": "metrics"}], a)
+    assert remote[0]["tokens"] == reference[0]["tokens"]
+    assert remote[0]["logprobs"] == reference[0]["logprobs"]
+    hit = remote[0]["num_cached_tokens"]
+    assert hit >= 8 * CHUNK, metrics  # through chunks without state, to one with its state
+    assert metrics[P2P] == hit and metrics[HOST] == 0
+    assert metrics["vllm:kvtier_load_error_blocks"] == 0
