@@ -207,6 +207,33 @@ def test_mamba_hybrid_tp2_hits_are_exact(tmp_path: Path, run_dir: Path) -> None:
     assert metrics["vllm:kvtier_load_error_blocks"] == 0
 
 
+def test_mamba_hybrid_tp2_hits_run_through_chunks_stored_without_state(
+    tmp_path: Path, run_dir: Path
+) -> None:
+    """TP 2 with prefill steps of two chunks: each rank stores the first chunk as its
+    attention alone, in its own sibling namespace, and the hit runs through it on both ranks
+    to a chunk with its state. 1,800 tokens in 1,152-token steps: states at 1,152 and at the
+    prompt's last block boundary (1,728 with 72-token blocks, a chunk boundary; 1,792 with the
+    64-token blocks of an AVX2-only host, which is not)."""
+    model = make_tiny_qwen3_next(tmp_path / "qwen3-next-2", linear_heads=2)
+    batch = prompts(9, [1800])
+    extra = {"chunk_tokens": 576, "min_hit_tokens": {"cpu": 576}}
+    reference, dram, gpu, metrics = dram_round_trip(
+        model,
+        batch,
+        run_dir,
+        extra,
+        engine_args={"max_num_batched_tokens": 1152, "tensor_parallel_size": 2},
+        env=TP2_ENV,
+    )
+    counters = str({k: v for k, v in metrics.items() if "kvtier" in k and v})
+    assert_exact(reference, dram)
+    assert_exact(reference, gpu)
+    assert dram[0]["num_cached_tokens"] in (1152, 1728), counters
+    assert metrics["vllm:kvtier_save_no_state"] >= 1, counters  # the first chunk
+    assert metrics["vllm:kvtier_load_error_blocks"] == 0, counters
+
+
 def test_mamba_chunks_saved_in_short_steps_load_exactly_into_long_ones(
     tmp_path: Path, run_dir: Path
 ) -> None:
