@@ -226,8 +226,9 @@ class TierResolver:
         except BaseException:
             self.release(outcome)  # leases taken before the failure: give them back now
             raise
-        if geo.has_state:
-            run = self._with_state_at_end(outcome, run)
+        if geo.has_state:  # capped first: the cut must land on a chunk the hit can end on
+            capped = max(0, min(run, self._hit_cap(request) // geo.chunk_tokens - first))
+            run = self._with_state_at_end(outcome, capped)
         end = min((first + run) * geo.chunk_tokens, self._hit_cap(request))
         tokens = max(0, end - computed)
         self._count(C.LOOKUPS, 1)

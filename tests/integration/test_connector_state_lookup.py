@@ -106,3 +106,14 @@ def test_a_chunk_held_only_as_attention_is_no_known_miss(scheduler: ConnectorSch
     _store(scheduler, tokens, "AW")
     assert _hit(scheduler, _request("ask", tokens)) == 2 * CHUNK  # the view did not say miss
     assert scheduler.take_stats().get("lookups_known_miss", 0) == 0
+
+
+def test_the_hit_ends_on_a_whole_chunk_before_the_prompts_last_block(
+    scheduler: ConnectorScheduler,
+) -> None:
+    """A prompt of exactly five chunks: a hit never covers its last block, so it can end at
+    chunk 4 at most; held as attention alone there, the hit ends at chunk 3 (held whole),
+    not at chunk 4, whose state vLLM would then ask a load for."""
+    tokens = list(range(7000, 7000 + 5 * CHUNK))
+    _store(scheduler, tokens, "WAWAW")
+    assert _hit(scheduler, _request("exact", tokens)) == 3 * CHUNK
