@@ -1,11 +1,9 @@
 """The fault drills of ``kvtier bench faults`` (and of ``tests/drills/test_fault_drills.py``).
 
-Most drills follow one shape, ``poison_flow``: an instance stores prompts A (300 tokens, 4
-chunks of 64), resets its GPU cache, then runs prompts B (A's first 256 tokens + 200 new ones:
-loads A's 4 chunks and completes 3 new chunks in the same step) while a fault hits the load.
-Then, the fault off, it stores A again (restoring whatever the fault made the store drop),
-resets, and runs B from DRAM (448 tokens). A fault that let the instance commit chunks
-computed over blocks that were never loaded shows up as wrong tokens there.
+Most drills follow one shape, ``drill_flow.poison_flow``: prompts A are stored, then prompts
+B, which load A's chunks and complete new ones in the same step, run while a fault hits the
+load; then, the fault off, B is read back from DRAM and compared. The disk tier's drills are
+``disk_drills.py``'s; ``DRILLS`` lists them all.
 """
 
 from __future__ import annotations
@@ -14,9 +12,18 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from kvtier.bench.faults.disk_drills import DISK_DRILLS
+from kvtier.bench.faults.drill_flow import (
+    DISARM,
+    METRICS,
+    RESET,
+    SETTLE,
+    drill_store,
+    leases_at_exit,
+    live_leases,
+    poison_flow,
+)
 from kvtier.bench.faults.run import (
     DrillContext,
     DrillResult,
@@ -26,74 +33,7 @@ from kvtier.bench.faults.run import (
 )
 from kvtier.testing.models import make_family_model
 from kvtier.testing.ports import free_port
-from kvtier.testing.services import (
-    Service,
-    kvtier_argv,
-    process_state,
-    start_store,
-    store_args,
-    store_leases,
-)
-
-RESET = {"op": "reset_prefix_cache"}
-SETTLE = {"op": "settle"}  # the engine idle and every store call its connector queued done
-METRICS = {"op": "metrics"}
-DISARM = {"op": "disarm"}
-
-
-def _store(ctx: DrillContext, capacity: str = "256MiB", **kwargs: Any) -> Service:
-    return start_store(ctx.run_dir, capacity, "drill-node", remote=False, **kwargs)
-
-
-def live_leases(store: Service) -> dict:
-    """A phase reading the store's lease count while the engine is alive and idle: a lease
-    the connector leaked is still held then (once the engine exits, closing its session
-    releases everything, which is why reading after the run could never show a leak). The
-    store is asked for as long as its process runs (``store_leases``), however slow to
-    answer a loaded machine makes it."""
-    return {"op": "store_leases", "address": store.address, "pid": store.pid}
-
-
-def _leases(store: Service) -> int:
-    """Leases still held at the store once every instance has exited (0 for a dead store:
-    its leases died with it). Catches leases of clients without a session only: drills
-    read ``live_leases`` while the engine runs. Asked for as long as the store runs."""
-    return store_leases(store.address, store.pid)
-
-
-def poison_flow(
-    ctx: DrillContext,
-    fault: Callable[[Service], dict],
-    extra: dict | None = None,
-    seed: int = 1,
-) -> DrillResult:
-    """One instance: A, reset, B with ``fault`` armed for every load; then, fault off and GPU
-    cache reset, A again (restoring what the fault made the store drop), reset, and B from
-    DRAM: whatever the faulty phase committed is read back and compared."""
-    result = DrillResult("", "")
-    prompts = ctx.prompts(seed)
-    store = _store(ctx)
-    try:
-        config = {"store_address": store.address} | (extra or {})
-        # settled before each B: A's saves are committed and checksummed when B looks up
-        # (else a B that finds nothing to load never meets the fault, and the drill counts one
-        # recompute too few; with verify_loads a lookup ends before an unsummed chunk)
-        settled = SETTLE | {"address": store.address, "pid": store.pid}
-        phases = [generate(prompts.a), settled, RESET, fault(store) | {"every": True}]
-        phases += [generate(prompts.b), live_leases(store), DISARM, RESET, generate(prompts.a)]
-        phases += [SETTLE, RESET, generate(prompts.b), live_leases(store), METRICS]
-        out = ctx.vllm(phases, config)
-        reference = ctx.reference(prompts.a + prompts.b)
-        tally(result, out[0], prompts.a, reference)
-        tally(result, out[4], prompts.b, reference, timed=True)
-        tally(result, out[8], prompts.a, reference)
-        tally(result, out[11], prompts.b, reference)
-        add_counters(result, out[-1])
-        result.leaked_leases = max(out[5], out[12], _leases(store))
-    finally:
-        store.stop()
-    return result
-
+from kvtier.testing.services import Service, kvtier_argv, process_state, store_args
 
 # -- 1. a store restarted between lookup and load ---------------------------------------------
 
@@ -104,7 +44,7 @@ def restart(when: str) -> Callable[[DrillContext], DrillResult]:
         args = store_args(ctx.run_dir, "256MiB", "drill-node", remote=False, grpc_port=port)
         ready_file = ctx.workdir / f"restarted-{when}.json"
         ready_file.unlink(missing_ok=True)
-        store = _store(ctx, grpc_port=port)
+        store = drill_store(ctx, grpc_port=port)
 
         def fault(s: Service) -> dict:
             return {
@@ -119,7 +59,7 @@ def restart(when: str) -> Callable[[DrillContext], DrillResult]:
         try:
             result = _restart_flow(ctx, store, fault)
             if ready_file.exists():
-                result.leaked_leases = _leases(_restarted(ready_file))
+                result.leaked_leases = leases_at_exit(_restarted(ready_file))
         finally:
             store.stop()
             _stop_restarted(ready_file)
@@ -234,7 +174,7 @@ def weights_changed_in_place(ctx: DrillContext) -> DrillResult:
     shutil.rmtree(model, ignore_errors=True)
     shutil.copytree(ctx.model, model)
     other = make_family_model(ctx.workdir / f"tiny-{ctx.family}-seed1", ctx.family, seed=1)
-    store = _store(ctx)
+    store = drill_store(ctx)
     try:
         config = {"store_address": store.address}
         first = ctx.vllm([generate(prompts.a), METRICS], config, model=model)
@@ -244,7 +184,7 @@ def weights_changed_in_place(ctx: DrillContext) -> DrillResult:
         tally(result, check[0], prompts.a, ctx.reference(prompts.a, other), timed=True)
         add_counters(result, first[-1])
         add_counters(result, check[-1])
-        result.leaked_leases = _leases(store)
+        result.leaked_leases = leases_at_exit(store)
     finally:
         store.stop()
     return result
@@ -257,7 +197,7 @@ def rope_override(ctx: DrillContext) -> DrillResult:
     overrides = {
         "hf_overrides": {"rope_parameters": {"rope_type": "default", "rope_theta": 1234.0}}
     }
-    store = _store(ctx)
+    store = drill_store(ctx)
     try:
         config = {"store_address": store.address}
         first = ctx.vllm([generate(prompts.a), METRICS], config)
@@ -267,7 +207,7 @@ def rope_override(ctx: DrillContext) -> DrillResult:
         tally(result, check[0], prompts.a, reference, timed=True)
         add_counters(result, first[-1])
         add_counters(result, check[-1])
-        result.leaked_leases = _leases(store)
+        result.leaked_leases = leases_at_exit(store)
     finally:
         store.stop()
     return result
@@ -285,7 +225,7 @@ def salt_with_newline(ctx: DrillContext) -> DrillResult:
     result = DrillResult("", "")
     prompts = ctx.prompts(9)
     batch = salted(prompts.a, "tenant\nb\u00e9")
-    store = _store(ctx)
+    store = drill_store(ctx)
     try:
         config = {"store_address": store.address}
         others = salted(prompts.a, "tenant-c")
@@ -299,7 +239,7 @@ def salt_with_newline(ctx: DrillContext) -> DrillResult:
         if any(o.get("cached_by_source", {}).get("host") for o in out[4]):
             result.notes.append("another salt hit the first salt's chunks")
             result.wrong_tokens += 1  # isolation broken counts as wrong
-        result.leaked_leases = _leases(store)
+        result.leaked_leases = leases_at_exit(store)
     finally:
         store.stop()
     return result
@@ -310,7 +250,7 @@ def store_down_new_salt(ctx: DrillContext) -> DrillResult:
     registered): a miss, not an engine crash."""
     result = DrillResult("", "")
     prompts = ctx.prompts(10)
-    store = _store(ctx)
+    store = drill_store(ctx)
     try:
         config = {"store_address": store.address}
         batch = salted(prompts.a, "fresh-tenant")
@@ -334,7 +274,7 @@ def pool_too_small(ctx: DrillContext) -> DrillResult:
     """A pool smaller than one chunk: the store refuses the namespace; requests are misses."""
     result = DrillResult("", "")
     prompts = ctx.prompts(11)
-    store = _store(ctx, capacity="64KiB")
+    store = drill_store(ctx, capacity="64KiB")
     try:
         config = {"store_address": store.address, "chunk_tokens": 256, "min_hit_tokens": {}}
         out = ctx.vllm([generate(prompts.a), METRICS], config)
@@ -355,7 +295,7 @@ def store_hung(ctx: DrillContext) -> DrillResult:
     per step, and the longest single call)."""
     result = DrillResult("", "")
     prompts = ctx.prompts(12)
-    store = _store(ctx)
+    store = drill_store(ctx)
     try:
         config = {"store_address": store.address, "lookup_deadline_s": 0.5, "save_defer_s": 1}
         phases = [
@@ -409,7 +349,7 @@ def concurrent_failed_loads(ctx: DrillContext) -> DrillResult:
     whatever the faulty phase saved (also in flight at once)."""
     result = DrillResult("", "")
     prompts = ctx.prompts(21)
-    store = _store(ctx)
+    store = drill_store(ctx)
     try:
         config = {"store_address": store.address, "verify_loads": True}
         fault = {
@@ -444,7 +384,7 @@ def concurrent_failed_loads(ctx: DrillContext) -> DrillResult:
         preemptions = out[-1].get("vllm:num_preemptions", 0)
         result.counters["preemptions"] = preemptions
         result.notes.append(f"{preemptions:.0f} preemptions")
-        result.leaked_leases = max(out[5], out[11], _leases(store))
+        result.leaked_leases = max(out[5], out[11], leases_at_exit(store))
     finally:
         store.stop()
     return result
@@ -462,7 +402,7 @@ def pool_full_pinned(ctx: DrillContext) -> DrillResult:
 
     result = DrillResult("", "")
     prompts = ctx.prompts(13)
-    store = _store(ctx, capacity="4MiB")
+    store = drill_store(ctx, capacity="4MiB")
     tier = CpuTier(GrpcStoreClient(store.address))
     try:
         ns = Namespace(model="filler", dtype="uint8", num_layers=1, num_kv_heads=1, head_size=1)
@@ -476,7 +416,7 @@ def pool_full_pinned(ctx: DrillContext) -> DrillResult:
         tally(result, out[2], prompts.a, reference, timed=True)
         add_counters(result, out[-1])
         held.abort()
-        result.leaked_leases = _leases(store)
+        result.leaked_leases = leases_at_exit(store)
     finally:
         tier.close()
         store.stop()

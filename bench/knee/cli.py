@@ -64,12 +64,13 @@ def bench_knee(
 
     from kvtier.bench.knee import report as knee_report
     from kvtier.bench.knee import run as knee
+    from kvtier.bench.knee.results import KneeReport
     from kvtier.bench.knee.workload import Workload
     from kvtier.core.errors import KvtierError
     from kvtier.testing.models import ModelInfo, make_model
 
     if report_json is not None:
-        saved = knee.KneeReport.from_json(json.loads(report_json.read_text()))
+        saved = KneeReport.from_json(json.loads(report_json.read_text()))
         knee_report.print_report(saved)
         knee_report.plot(saved, report_json.with_suffix(".png"))
         typer.echo(f"wrote {report_json.with_suffix('.png')}")

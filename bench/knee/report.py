@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.bench.knee.run import ConfigResult, KneeReport, dram_label
+from kvtier.bench.knee.results import ConfigResult, KneeReport, dram_label
 
 
 def _pct(x: float) -> str:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvtier.bench.knee import run as knee
+from kvtier.bench.knee.results import ConfigResult, KneeReport, find_knee
 from kvtier.bench.knee.workload import Workload
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.traces.analyze import analyze_file
@@ -142,15 +143,15 @@ def test_capacities() -> None:
 
 def test_find_knee() -> None:
     points = [(48, 0.07), (96, 0.36), (144, 0.80), (192, 0.81), (384, 0.73)]
-    assert knee.find_knee(points, 0.9) == (144, 0.81)
-    assert knee.find_knee(points, 0.4) == (96, 0.81)
-    assert knee.find_knee([(1, 0.0), (2, 0.0)], 0.9) is None
-    assert knee.find_knee([], 0.9) is None
+    assert find_knee(points, 0.9) == (144, 0.81)
+    assert find_knee(points, 0.4) == (96, 0.81)
+    assert find_knee([(1, 0.0), (2, 0.0)], 0.9) is None
+    assert find_knee([], 0.9) is None
 
 
-def _result(gpu_blocks: int, dram: int | None, device: float, host: float) -> knee.ConfigResult:
+def _result(gpu_blocks: int, dram: int | None, device: float, host: float) -> ConfigResult:
     tokens = gpu_blocks * 32
-    return knee.ConfigResult(
+    return ConfigResult(
         gpu_blocks=gpu_blocks,
         gpu_tokens=tokens,
         gpu_multiple=tokens / 6144,
@@ -186,7 +187,7 @@ def test_report_knees_table_plot_and_json_round_trip(tmp_path: Path) -> None:
     results += [_result(b, dram, h, 0.71 - h) for b, h in reversed(line)]  # any order
     w = {**Workload().describe(), "total_working_set_bytes": 6144 * 1024, "chunk_tokens": 32}
     machine = {"vllm": "0.32.0", "vllm_build": "CPU"}
-    report = knee.KneeReport(machine, {"preset": "tiny", "path": "m"}, w, 0.9, results)
+    report = KneeReport(machine, {"preset": "tiny", "path": "m"}, w, 0.9, results)
     assert list(report.lines()) == [None, dram]
     assert [r.gpu_blocks for r in report.lines()[dram]] == [48, 96, 144, 192, 384]
     knees = {(k["dram_bytes"], k["tier"]): k for k in report.knees()}
@@ -201,7 +202,7 @@ def test_report_knees_table_plot_and_json_round_trip(tmp_path: Path) -> None:
 
     path = tmp_path / "knee.json"
     path.write_text(json.dumps(report.to_json()))
-    again = knee.KneeReport.from_json(json.loads(path.read_text()))
+    again = KneeReport.from_json(json.loads(path.read_text()))
     assert again.knees() == report.knees()
     result = CliRunner().invoke(app, ["bench", "knee", "--report", str(path)])
     assert result.exit_code == 0, result.output
