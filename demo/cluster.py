@@ -27,7 +27,7 @@ import httpx
 
 from kvtier.testing.fleet import Fleet, FleetSpec, Instance, completion
 from kvtier.testing.models import make_model
-from kvtier.traces.replay import parse_prometheus
+from kvtier.traces.server_metrics import parse_prometheus
 
 SOURCES = ("device", "host", "p2p")
 CACHED = "vllm:prompt_tokens_cached_by_source_total"

@@ -4,7 +4,8 @@ and ``/v1/models`` (the routes, with ``/healthz``, ``/readyz`` and ``/metrics``:
 A request is parsed and checked once (``requests.py``: 400 on a bad body, large ones off the
 event loop), tokenized once (``tokenize.py``), routed (``core.py``) and forwarded with its
 body untouched, except that a completion's text prompt is replaced by its token ids when the
-router tokenized it. Streams are relayed byte for byte.
+router tokenized it. The answer goes back through ``responses.py`` (``AnswerRelay``): a
+stream relayed byte for byte, a whole answer read while the client is watched.
 
 Failure rules (docs/router.md):
 - before the first byte, a connection error, a timeout or a 5xx ejects the instance and the
@@ -20,17 +21,13 @@ Failure rules (docs/router.md):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
-import aiohttp
 import httpx
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvtier.core.auth import Authenticator, Permission, bearer
 from kvtier.core.config.router import RouterConfig
@@ -49,46 +46,13 @@ from kvtier.router.requests import (
     parse_body,
     with_engine_hint,
 )
+from kvtier.router.responses import FORWARD_ERRORS, AnswerRelay, ClientGone, error, unless_gone
 from kvtier.router.tokenize import PromptTokenizer
 from kvtier.router.upstream import UpstreamClients
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 PASS_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
-# what forwarding to an instance raises for the instance's failure (refused, reset, timed out)
-FORWARD_ERRORS = (aiohttp.ClientError, TimeoutError)
-INSTANCE_HEADER = "x-kvtier-instance"  # which instance answered (debugging, the demo)
-
-
-def _still_buffered(content: aiohttp.StreamReader) -> bytes:
-    """What aiohttp received before the connection broke and has not handed out yet.
-
-    Its reader raises a broken transfer before the data buffered with it (``readany``
-    checks the exception first), so the last bytes an engine sent right before dying would
-    be lost to the client. aiohttp offers no public read past the exception: this takes
-    its buffer by the private ``_read_nowait`` (aiohttp 3.x), and gives nothing where
-    that is not there.
-    """
-    try:
-        if not getattr(content, "_buffer", None):
-            return b""
-        return bytes(content._read_nowait(-1))
-    except Exception:  # another aiohttp: the bytes are lost, the error event still goes
-        return b""
-
-
-def error(status: int, message: str, kind: str, retry_after: float | None = None) -> Response:
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def error_body(status: int, message: str) -> bytes:
-    """The OpenAI error shape, for answers the HTTP layer gives (413, 408: ``BodyLimit``)."""
-    return json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "code": status}}
-    ).encode()
 
 
 class Proxy:
@@ -114,6 +78,7 @@ class Proxy:
         self._tokenizing: set[str] = set()  # sessions whose last turn is being tokenized
         self._background: set[asyncio.Task[None]] = set()  # referenced until done
         self.offload = PrefillOffload(config) if config.offload else None
+        self.relay = AnswerRelay(core, metrics)  # the answer's way back (responses.py)
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -269,7 +234,7 @@ class Proxy:
             try:
                 # a non-streamed answer's headers come with its end: until then, the client
                 # leaving must cancel the request (closing the upstream connection)
-                upstream = await _unless_gone(
+                upstream = await unless_gone(
                     request, session.post(f"{backend.url}{path}", data=sent, headers=headers)
                 )
             except ClientGone:
@@ -291,13 +256,8 @@ class Proxy:
                 last = Response(text, upstream.status, media_type="application/json")
                 continue
             if stream and upstream.status == 200:
-                return StreamingResponse(
-                    self._relay(upstream, backend, routed, start),
-                    status_code=upstream.status,
-                    media_type=upstream.headers.get("content-type", "text/event-stream"),
-                    headers={INSTANCE_HEADER: backend.name},
-                )
-            return await self._whole(request, upstream, backend, routed, start)
+                return self.relay.stream(upstream, backend, routed, start)
+            return await self.relay.whole(request, upstream, backend, routed, start)
         assert last is not None
         return last
 
@@ -392,91 +352,6 @@ class Proxy:
         tried.add(backend.name)
         self.core.log_decision(routed, {"outcome": "retried", "error": reason})
 
-    async def _relay(
-        self, upstream: aiohttp.ClientResponse, backend: Backend, routed: Routed, start: float
-    ) -> AsyncIterator[bytes]:
-        got_first = False
-        last_chunk = 0.0
-        outcome = "ok"
-        try:
-            async for chunk in upstream.content.iter_any():
-                now = time.perf_counter()
-                if not got_first:
-                    got_first = True
-                    self.metrics.ttft.observe(now - start)
-                    self.backends.first_token(backend, routed.prompt_tokens)
-                else:
-                    self.metrics.tpot.observe(now - last_chunk)
-                last_chunk = now
-                self._realized(chunk)
-                yield chunk
-        except FORWARD_ERRORS as exc:  # after bytes went out: no retry, say so in the stream
-            outcome = f"stream failed: {exc!r}"
-            left = _still_buffered(upstream.content)
-            if left:  # tokens the engine sent before it broke: the client gets them first
-                self._realized(left)
-                yield left
-            self.metrics.stream_errors.inc()
-            if self.backends.eject(backend, "stream failed"):
-                self.metrics.ejections.labels("stream").inc()
-            event = {"error": {"message": f"instance failed mid-stream: {exc!r}", "code": 502}}
-            yield f"data: {json.dumps(event)}\n\n".encode()
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "client went away"
-            raise
-        finally:
-            upstream.close()  # cancels the upstream request if it is still running
-            self.backends.finished(backend, routed.prompt_tokens, got_first)
-            self.metrics.e2e.observe(time.perf_counter() - start)
-            self.core.log_decision(routed, {"outcome": outcome, "stream": True})
-
-    async def _whole(
-        self,
-        request: Request,
-        upstream: aiohttp.ClientResponse,
-        backend: Backend,
-        routed: Routed,
-        start: float,
-    ) -> Response:
-        """A non-streamed answer; the client leaving cancels it."""
-        try:
-            content = await _unless_gone(request, upstream.read())
-        except ClientGone:
-            self.core.log_decision(routed, {"outcome": "client went away"})
-            return Response(status_code=499)
-        except FORWARD_ERRORS as exc:
-            self.backends.eject(backend, "read failed")
-            return error(502, f"instance {backend.name} failed: {exc!r}", "upstream_error")
-        finally:
-            # read whole, its connection went back to the pool already; otherwise this drops
-            # it, and the instance sees the request cancelled
-            upstream.close()
-            self.backends.finished(backend, routed.prompt_tokens, got_first_token=False)
-        elapsed = time.perf_counter() - start
-        self.metrics.ttft.observe(elapsed)
-        self.metrics.e2e.observe(elapsed)
-        self._realized(content)
-        self.core.log_decision(routed, {"outcome": "ok", "status": upstream.status})
-        return Response(
-            content,
-            upstream.status,
-            media_type=upstream.headers.get("content-type", "application/json"),
-            headers={INSTANCE_HEADER: backend.name},
-        )
-
-    def _realized(self, data: bytes) -> None:
-        """Cached tokens vLLM reports in ``usage`` (in a JSON answer or a stream's last event)."""
-        if b'"cached_tokens"' not in data:
-            return
-        for part in data.split(b"data: ") if data.startswith(b"data: ") else [data]:
-            try:
-                usage = json.loads(part.strip() or b"{}").get("usage") or {}
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            except (ValueError, AttributeError):
-                continue
-            if cached:
-                self.metrics.realized_cached.inc(cached)
-
     async def models(self) -> Response:
         try:
             backend = self.backends.routable()[0]
@@ -484,37 +359,6 @@ class Proxy:
         except (NoBackend, httpx.HTTPError) as exc:
             return error(503, f"no instance answers: {exc}", "service_unavailable", 5)
         return Response(resp.content, resp.status_code, media_type="application/json")
-
-
-class ClientGone(Exception):
-    """The client disconnected while the router waited on its behalf."""
-
-
-async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
-    """``work``'s result; if the client disconnects first, ``work`` is cancelled (an httpx
-    request closes its connection: the instance sees the disconnect) and ``ClientGone``
-    raised. The body has been read whole by now, so the next ASGI message is the
-    disconnect."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # we are cancelled ourselves (shutdown): so is the work
-        task.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise ClientGone
-
-
-async def _disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        await asyncio.sleep(0)  # (a late empty body chunk)
 
 
 def _encode(body: dict[str, Any]) -> bytes:

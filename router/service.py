@@ -42,7 +42,8 @@ from kvtier.router.http import build_app
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.peers import PeerShares, replica_name
 from kvtier.router.policies import Policy, TierCosts, make_policy
-from kvtier.router.proxy import Proxy, error_body
+from kvtier.router.proxy import Proxy
+from kvtier.router.responses import error_body
 from kvtier.router.tokenize import PromptTokenizer
 from kvtier.router.upstream import UpstreamClients
 

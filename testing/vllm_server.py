@@ -114,7 +114,7 @@ class VllmServer:
         raise TimeoutError(f"vLLM not ready in {timeout_s} s; see {self.log_path}")
 
     def metrics(self) -> dict[str, float]:
-        from kvtier.traces.replay import parse_prometheus
+        from kvtier.traces.server_metrics import parse_prometheus
 
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             return parse_prometheus(r.read().decode())

@@ -372,11 +372,10 @@ def replay_cmd(
         ReplayOptions,
         ResultSink,
         TraceReplaySpec,
-        fetch_metrics,
         iter_results,
-        metrics_delta,
         replay_trace,
     )
+    from kvtier.traces.server_metrics import fetch_metrics, metrics_delta
     from kvtier.traces.summary import print_summary, summarize
 
     try:

@@ -24,7 +24,8 @@ Errors and timeouts are records too: nothing is dropped.
 
 Reuse: ``ReplayItem`` + ``Replayer.run`` take any iterable of items, so other benchmarks (a
 capacity knee, tier latency) build their own prompts and share the client, the pacing, the
-sink and ``summary.summarize``.
+sink and ``summary.summarize``. A server's Prometheus counters, read around a replay:
+``server_metrics.py``.
 
 Threading: one asyncio loop; ``Replayer`` is not thread-safe.
 """
@@ -446,59 +447,3 @@ async def replay_trace(
     replayer = Replayer(opts, sink, on_result, keep_results)
     items = trace_items(path, spec, fmt, trace_block_tokens)
     return await replayer.run(items)
-
-
-async def fetch_metrics(
-    url: str, timeout_s: float = 5.0, keep_labels: tuple[str, ...] = ()
-) -> dict[str, float] | None:
-    """Prometheus counters of a vLLM server (see ``parse_prometheus``), or None if unreachable."""
-    import aiohttp
-
-    try:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(
-                url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(timeout_s)
-            ) as r,
-        ):
-            if r.status != 200:
-                return None
-            text = await r.text()
-    except (aiohttp.ClientError, OSError, TimeoutError):
-        return None
-    return parse_prometheus(text, keep_labels)
-
-
-def parse_prometheus(text: str, keep_labels: tuple[str, ...] = ()) -> dict[str, float]:
-    """Samples by name, summed over every label except ``keep_labels`` (prometheus_client's
-    parser reads the text).
-
-    A kept label becomes part of the key, vLLM-driver style:
-    ``vllm:prompt_tokens_cached_by_source_total{source=host}``; samples without it keep the
-    bare name.
-    """
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name
-            parts = [f"{k}={sample.labels[k]}" for k in keep_labels if k in sample.labels]
-            if parts:
-                name = f"{name}{{{','.join(parts)}}}"
-            out[name] = out.get(name, 0.0) + float(sample.value)
-    return out
-
-
-CACHE_METRICS = (
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "vllm:external_prefix_cache_hits_total",
-    "vllm:prompt_tokens_total",
-)
-
-
-def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
-    if before is None or after is None:
-        return {}
-    return {name: after[name] - before.get(name, 0.0) for name in CACHE_METRICS if name in after}

@@ -19,8 +19,8 @@ from kvtier.traces.replay import (
     Replayer,
     ReplayItem,
     ReplayResult,
-    parse_prometheus,
 )
+from kvtier.traces.server_metrics import parse_prometheus
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -75,10 +75,10 @@ from kvtier.traces.replay import (
     ReplayResult,
     ResultSink,
     TraceReplaySpec,
-    parse_prometheus,
     trace_items,
 )
 from kvtier.traces.sample import SampleOptions
+from kvtier.traces.server_metrics import parse_prometheus
 from kvtier.traces.summary import summarize
 
 

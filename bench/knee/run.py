@@ -48,8 +48,8 @@ from kvtier.traces.replay import (
     ReplayOptions,
     ReplayResult,
     ResultSink,
-    fetch_metrics,
 )
+from kvtier.traces.server_metrics import fetch_metrics
 from kvtier.traces.summary import summarize
 
 SOURCES = ("device", "host", "p2p", "disk")

@@ -19,7 +19,8 @@ from kvtier.bench.knee.workload import Workload
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.traces.analyze import analyze_file
 from kvtier.traces.formats import TraceReader
-from kvtier.traces.replay import Replayer, ReplayOptions, parse_prometheus
+from kvtier.traces.replay import Replayer, ReplayOptions
+from kvtier.traces.server_metrics import parse_prometheus
 
 W = Workload(sessions=3, turns=4, user_tokens=64, output_tokens=32, seed=7)
 

@@ -1,7 +1,7 @@
 """What the proxy forwards when an engine's stream breaks with bytes still buffered.
 
 aiohttp's reader raises a broken transfer before the data it buffered with it; the proxy
-takes that data first (``router.proxy._still_buffered``), so a client gets every token the
+takes that data first (``router.responses._still_buffered``), so a client gets every token the
 engine sent before the error event. Checked on aiohttp's real ``StreamReader``, fed as its
 connection would feed it (the race needs a slow reader on a loaded host to happen over a
 socket: tests/integration/test_router_proxy.py covers the socket path).
@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp.streams import StreamReader
 
-from kvtier.router.proxy import _still_buffered
+from kvtier.router.responses import _still_buffered
 
 
 def broken_after(loop: asyncio.AbstractEventLoop, *chunks: bytes) -> StreamReader:
