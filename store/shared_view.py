@@ -1,7 +1,8 @@
 """The store's side of what the node's engines read without calling it: the view of its
 chunks (``kvtier.store.client.view``) and, beside it, the lease region where engines lease
-pool hits themselves (``kvtier.store.client.view_leases``), both at the end of the pool
-segment, kept in step with the store's state through its event log.
+pool hits themselves (``kvtier.store.client.view_leases``; its layout and extent map:
+``kvtier.store.client.lease_region``), both at the end of the pool segment, kept in step with
+the store's state through its event log.
 
 Threading: the view and the map change only inside the event log's lock (its observer, or
 ``with core.events.lock``), which the store takes under its own; the pin table only under the
@@ -16,6 +17,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.core.config.store import StoreConfig
+from kvtier.store.client.lease_region import (
+    PAGE,
+    ExtentMapWriter,
+    RegionShape,
+    check_of,
+    region_shape,
+)
 from kvtier.store.client.pin_table import PinTable
 from kvtier.store.client.shm import SHM_DIR, SharedSegment
 from kvtier.store.client.view import (
@@ -27,13 +35,6 @@ from kvtier.store.client.view import (
     follow_events,
     tag_of,
     view_bytes_for,
-)
-from kvtier.store.client.view_leases import (
-    PAGE,
-    ExtentMapWriter,
-    RegionShape,
-    check_of,
-    region_shape,
 )
 from kvtier.store.state.core import StoreCore
 from kvtier.store.state.entries import ChunkEntry, ChunkState

@@ -2,7 +2,8 @@
 
 Same model as ``MemoryIndex`` (slots, holder bitmaps, per-slot entry hashes; see
 ``redis_lua`` for the layout); every write and every query is one Lua script, so a query is
-one round trip and a write is atomic. A batch of queries is one pipeline.
+one round trip and a write is atomic. A batch of queries is one pipeline. ``redis_codec``
+builds the scripts' arguments and reads their answers; this module calls them.
 
 When Redis is unreachable, queries answer empty with ``IndexHealth.DEGRADED`` and writes raise
 UNAVAILABLE; nothing crashes, and writers resync once it is back (their next ``apply`` sees a
@@ -20,7 +21,6 @@ registrations are guarded by a lock.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -35,23 +35,27 @@ from kvtier.core.keys import KEY_BYTES, Namespace
 from kvtier.index.api import (
     INDEX_TIERS,
     TIER_BITS,
-    TIER_INDEX,
     ApplyStatus,
     BackendResets,
     ChunkIndex,
     ChunkOp,
-    Cursor,
     HeartbeatStatus,
-    Holding,
     IndexHealth,
     LocationInfo,
-    LocationKind,
     LocationStatus,
     Query,
     QueryResult,
     Registration,
 )
 from kvtier.index.backends import redis_lua
+from kvtier.index.backends.redis_codec import (
+    LOC_FIELDS,
+    apply_args,
+    holdings_from_reply,
+    location_info,
+    reg_from_json,
+    reg_to_json,
+)
 from kvtier.index.backends.redis_shard import ShardClient
 from kvtier.index.backends.redis_watch import GenerationWatch
 from kvtier.index.rules import (
@@ -59,7 +63,6 @@ from kvtier.index.rules import (
     check_ops,
     check_registration,
     check_seq_range,
-    order_holdings,
     resolve_keys,
     too_many_namespaces,
     unknown_location,
@@ -69,34 +72,8 @@ from kvtier.store.api.events import EventKind
 
 log = logging.getLogger(__name__)
 
-_KIND_CODE = {EventKind.STORED: "s", EventKind.REMOVED: "r", EventKind.CLEARED: "c"}
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 REPLACE_BATCH = 8192  # keys per script call while replacing (bounds how long Redis is busy)
-
-
-def _reg_to_json(reg: Registration) -> str:
-    return json.dumps(
-        {
-            "location": reg.location,
-            "kind": reg.kind.value,
-            "namespaces": [ns.hex() for ns in reg.namespaces],
-            "node": reg.node,
-            "endpoints": dict(reg.endpoints),
-            "owner": reg.owner,
-        }
-    )
-
-
-def _reg_from_json(text: bytes | str) -> Registration:
-    data = json.loads(text)
-    return Registration(
-        location=data["location"],
-        kind=LocationKind(data["kind"]),
-        namespaces=tuple(bytes.fromhex(ns) for ns in data["namespaces"]),
-        node=data["node"],
-        endpoints=data["endpoints"],
-        owner=data.get("owner", ""),  # registrations written before owners were recorded
-    )
 
 
 class RedisIndex(ChunkIndex):
@@ -200,7 +177,7 @@ class RedisIndex(ChunkIndex):
             pipe.hsetnx(self._p + b"ns", ns_id, b"")
         now = repr(self._clock())
         for reg in regs:
-            args: list[Any] = [self._p, reg.location, _reg_to_json(reg), now, *reg.namespaces]
+            args: list[Any] = [self._p, reg.location, reg_to_json(reg), now, *reg.namespaces]
             self._register(keys=[self._loc_key(reg.location)], args=args, client=pipe)
         self._call(pipe.execute)
 
@@ -258,7 +235,7 @@ class RedisIndex(ChunkIndex):
             args=[
                 self._p,
                 registration.location,
-                _reg_to_json(registration),
+                reg_to_json(registration),
                 repr(self._clock()),
                 *registration.namespaces,
             ],
@@ -284,7 +261,7 @@ class RedisIndex(ChunkIndex):
 
     def _location(self, name: str) -> LocationInfo | None:
         pipe = self._r.pipeline(transaction=False)
-        pipe.hmget(self._loc_key(name), "reg", "status", "last_seen", "epoch", "seq", "idx")
+        pipe.hmget(self._loc_key(name), *LOC_FIELDS)
         raw = self._call(pipe.execute)[0]
         if raw[0] is None:
             return None
@@ -292,14 +269,7 @@ class RedisIndex(ChunkIndex):
         pipe = self._r.pipeline(transaction=False)
         for t in range(len(INDEX_TIERS)):
             pipe.hlen(self._p + b"e:" + str(idx * TIER_BITS + t).encode())
-        counts = self._call(pipe.execute)
-        return LocationInfo(
-            _reg_from_json(raw[0]),
-            LocationStatus(raw[1].decode()),
-            float(raw[2]),
-            Cursor(int(raw[3]), int(raw[4])),
-            dict(zip(INDEX_TIERS, counts, strict=True)),
-        )
+        return location_info(raw, self._call(pipe.execute))
 
     def location(self, name: str) -> LocationInfo | None:
         return self._location(name)
@@ -384,10 +354,7 @@ class RedisIndex(ChunkIndex):
     ) -> ApplyStatus:
         self._check_known(lambda: check_ops(ops, self._known_ns(ops)))
         check_seq_range(seq_from, seq_to)
-        args: list[Any] = [self._p, str(epoch), seq_from, seq_to, repr(self._clock())]
-        for op in ops:
-            tier = -1 if op.tier is None else TIER_INDEX[op.tier]
-            args += [_KIND_CODE[op.kind], tier, len(op.keys), *op.keys]
+        args = apply_args(self._p, epoch, seq_from, seq_to, self._clock(), ops)
         result = self._call(self._apply, keys=[self._loc_key(location)], args=args).decode()
         if result == "unknown":
             self._suspect()
@@ -451,34 +418,9 @@ class RedisIndex(ChunkIndex):
                 out.append(QueryResult(q.ns_id, 0, ()))
                 continue
             slot_out, loc_out = next(raw)
-            out.append(QueryResult(q.ns_id, len(keys), self._holdings(slot_out, loc_out)))
+            holdings = holdings_from_reply(slot_out, loc_out, self._registration)
+            out.append(QueryResult(q.ns_id, len(keys), holdings))
         return out
-
-    def _holdings(self, slot_out: list, loc_out: list) -> tuple[Holding, ...]:
-        runs: dict[int, dict[Tier, int]] = {}
-        for i in range(0, len(slot_out), 2):
-            idx, tier = divmod(int(slot_out[i]), TIER_BITS)
-            if tier < len(INDEX_TIERS) and slot_out[i + 1]:
-                runs.setdefault(idx, {})[INDEX_TIERS[tier]] = int(slot_out[i + 1])
-        holdings = []
-        for i in range(0, len(loc_out), 5):
-            idx, total = int(loc_out[i]), int(loc_out[i + 1])
-            name = loc_out[i + 3].decode()
-            if not name or not total:  # pragma: no cover - forgotten between write and read
-                continue
-            reg = self._registration(name)
-            holdings.append(
-                Holding(
-                    name,
-                    reg.kind if reg else LocationKind.INSTANCE,
-                    reg.node if reg else "",
-                    runs.get(idx, {}),
-                    total,
-                    float(loc_out[i + 4]),
-                    float(loc_out[i + 2]),
-                )
-            )
-        return order_holdings(holdings)
 
     def _registration(self, name: str) -> Registration | None:
         with self._lock:
@@ -487,7 +429,7 @@ class RedisIndex(ChunkIndex):
             raw = self._call(self._r.hget, self._loc_key(name), "reg")
             if raw is None:
                 return None
-            reg = _reg_from_json(raw)
+            reg = reg_from_json(raw)
             with self._lock:
                 self._regs[name] = reg
         return reg

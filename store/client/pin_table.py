@@ -1,5 +1,5 @@
 """The store's side of the engines' pin table in the lease region
-(``kvtier.store.client.view_leases``, whose docstring has the layout and the protocol): rows
+(``kvtier.store.client.view_leases`` has the protocol, ``lease_region`` the layout): rows
 given to engine sessions, the region's lock taken exclusive, every pin read under it, the hit
 rings drained, and pins past their lifetime cleared. Implements
 ``kvtier.store.state.view_pins.ViewPins``.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.store.client.view_leases import ROW_HEAD, ExtentMap, word_of
+from kvtier.store.client.lease_region import ROW_HEAD, ExtentMap, word_of
 
 
 class PinTable:

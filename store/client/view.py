@@ -47,7 +47,7 @@ from kvtier.store.api.events import EventKind, StoreEvent
 from kvtier.store.client.shm import SHM_DIR
 
 if TYPE_CHECKING:
-    from kvtier.store.client.view_leases import ExtentMapWriter
+    from kvtier.store.client.lease_region import ExtentMapWriter
 
 # what the store tells the view of a committed pool chunk: (check, serial, size, checksum,
 # page runs), for the lease region's extent map
@@ -55,7 +55,7 @@ Record = tuple[int, int, int, int, Any]
 
 MAGIC = 0x6B76746965727633  # "kvtierv3" (v2 had no lease region: its readers ask the store)
 # magic, sequence, epoch, slots, max batch keys, alive at, max age, covers, then the offset
-# of the lease region from the view's start (0: none; kvtier.store.client.view_leases)
+# of the lease region from the view's start (0: none; kvtier.store.client.lease_region)
 HEADER_WORDS = 16
 COVERS_POOL, COVERS_DISK = 1, 2  # the tiers a view covers (header word 7), one bit each
 EMPTY, TOMBSTONE = 0, 1
@@ -202,7 +202,7 @@ class ChunkViewWriter(ChunkView):
         # some out, which readers would take for misses (lost hits). It answers nothing
         # instead (coverage word 0: ask the store) until it fits again with room to spare.
         self.overfull = False
-        # the lease region's map of pool chunks (kvtier.store.client.view_leases), kept in
+        # the lease region's map of pool chunks (kvtier.store.client.lease_region), kept in
         # step under the same seqlock
         self.extents: ExtentMapWriter | None = None
         words[:] = 0

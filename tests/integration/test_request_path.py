@@ -90,6 +90,7 @@ GRPC_CLIENT = [
     "store/client/own_session.py",  # the client's session, the view's leases are taken under
     "store/client/view.py",
     "store/client/view_leases.py",
+    "store/client/lease_region.py",  # the region's extent map, read for the hit's extents
 ]
 GRPC_SERVER = ["store/client/wire.py", "store/server/grpc.py"]  # a fetch, a peer's lease
 
@@ -127,7 +128,7 @@ REMOTE = {
             # the engine's session, opened by its first leased lookup, with its row of the
             # lease region: the lookup itself is then answered on the engine's side
             "store/client/pin_table.py",
-            "store/client/view_leases.py",  # the pulled chunks in the lease region's map
+            "store/client/lease_region.py",  # the pulled chunks in the lease region's map
             "store/shared_view.py",  # the pulled chunks' records for the lease region's map
             "store/client/grpc.py",
             "store/client/own_session.py",  # the session its lease of the holder's run is under

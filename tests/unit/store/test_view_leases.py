@@ -20,15 +20,10 @@ from kvtier.core.config import StoreConfig
 from kvtier.core.errors import ErrorCode, KvtierError
 from kvtier.core.keys import Namespace, prompt_keys
 from kvtier.store.api.types import AllocStatus, LeaseStatus
+from kvtier.store.client.lease_region import ExtentMapWriter, region_shape
 from kvtier.store.client.shm import SHM_DIR
 from kvtier.store.client.view import open_view
-from kvtier.store.client.view_leases import (
-    ExtentMapWriter,
-    ViewLeaser,
-    open_leaser,
-    owns,
-    region_shape,
-)
+from kvtier.store.client.view_leases import ViewLeaser, open_leaser, owns
 from kvtier.store.node import NodeStore
 from kvtier.store.server.metrics import StoreCollector
 from kvtier.store.state.view_pins import HOLD_MIN_S
