@@ -31,6 +31,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.counters import HIT_TOKENS, C, Counter, Tally
+from kvtier.connector.failed_loads import device_blocks_to_evict, forget_corrupt
 from kvtier.connector.group_blocks import GroupBlocks, UnfillableBlocks, real_blocks
 from kvtier.connector.layout import KvGeometry, ModelIdentity
 from kvtier.connector.load_copies import load_copies, tokens_by_tier
@@ -426,53 +427,19 @@ class ConnectorScheduler:
                 self._release(orphan)
 
     def _evict_device(self, failed: set[int]) -> None:
-        """Take blocks a load failed to fill out of vLLM's prefix cache, with every block after
-        them in any request holding them (computed over them). For a sync load vLLM cached
-        them at allocation and, under ``kv_load_failure_policy: recompute``, keeps them cached:
-        a request preempted or aborted before it recomputes would leave them to the next
-        request with that prefix as a device hit on KV that was never there."""
-        if not failed or self.block_ids_of is None or self.evict_device_blocks is None:
+        """Blocks a load failed to fill out of vLLM's prefix cache (``failed_loads.py``)."""
+        if self.block_ids_of is None or self.evict_device_blocks is None:
             return
-        if len(self.geometry.groups) > 1:
-            # hybrid models load asynchronously and fail whole requests (vLLM caches their
-            # blocks only once a load succeeded): nothing of a failed load is in its cache
-            return
-        doomed = set(failed)
-        for req_id in self._requests:
-            try:
-                blocks = self.block_ids_of(req_id)[self.geometry.groups[0].source]
-            except Exception:  # no blocks allocated (waiting)
-                continue
-            first = next((i for i, b in enumerate(blocks) if b in failed), None)
-            if first is not None:
-                doomed.update(blocks[first:])
-        self.evict_device_blocks(doomed)
-        self._count(C.DEVICE_BLOCKS_EVICTED, len(doomed))
+        doomed = device_blocks_to_evict(self.geometry, failed, self._requests, self.block_ids_of)
+        if doomed:
+            self.evict_device_blocks(doomed)
+            self._count(C.DEVICE_BLOCKS_EVICTED, len(doomed))
 
     def _forget_corrupt(self, req_id: str, chunks: set[tuple[int, bytes]]) -> None:
-        """Delete exactly the chunks whose bytes failed their checksum, so no one loads them."""
+        """Delete exactly the chunks whose bytes failed their checksum (``failed_loads.py``)."""
         state = self._requests.get(req_id)
-        if not chunks or state is None or state.ns_ids is None:
-            return
-        by_rank: dict[int, list[bytes]] = {}
-        for rank, key in chunks:
-            by_rank.setdefault(rank, []).append(key)
-        for rank, keys in by_rank.items():
-            self._count(C.CORRUPT_CHUNKS_DELETED, len(keys))
-            # on the alloc thread (FIFO), not the ops thread: ahead of the recompute's
-            # allocation, which would otherwise find the corrupt chunk still there (EXISTS),
-            # not save the clean copy, and leave a hole once the delete ran
-            self._alloc.submit(self._quiet_delete, state.ns_ids[rank], keys)
-            if state.attention_ns_ids is not None:
-                # a model with state: the key may name the chunk's attention alone, or a
-                # whole chunk; both go (a clean twin costs a future miss, never a token)
-                self._alloc.submit(self._quiet_delete, state.attention_ns_ids[rank], keys)
-
-    def _quiet_delete(self, ns_id: bytes, keys: list[bytes]) -> None:
-        try:
-            self.pool.delete(ns_id, keys)
-        except KvtierError as exc:
-            log.debug("kvtier: delete of %d corrupt chunks: %s", len(keys), exc)
+        if state is not None:
+            forget_corrupt(state, chunks, self.pool, self._alloc, self._count)
 
     # -- leases ------------------------------------------------------------------------------
 
