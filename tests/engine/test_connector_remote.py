@@ -62,6 +62,7 @@ def run(
     run_dir: Path,
     store: StoreProcess,
     index: object,
+    engine_args: dict | None = None,
     **extra: object,
 ) -> list:
     extra = {
@@ -73,6 +74,7 @@ def run(
         "remote_fetch_timeout_s": 3.0,
     } | extra
     spec = {"model": model, "phases": phases, "kv_transfer_config": kvtier_transfer_config(extra)}
+    spec["engine_args"] = engine_args or {}
     return run_vllm(spec, vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir)))
 
 
@@ -171,21 +173,11 @@ def test_a_mamba_hybrids_remote_hit_runs_through_chunks_stored_without_state(
 
     a, b, index = cluster
     model = str(make_tiny_qwen3_next(tmp_path / "qwen3-next"))
-    steps = {"engine_args": {"max_num_batched_tokens": 2 * CHUNK}}
+    steps = {"max_num_batched_tokens": 2 * CHUNK}
     (prompt,) = prompts(13, [600])
 
     def engine(phases: list[dict], store: StoreProcess) -> list:
-        extra = {
-            "chunk_tokens": CHUNK,
-            "min_hit_tokens": {"cpu": CHUNK, "remote": CHUNK},
-            "store_address": store.address,
-            "index_address": index.address,
-            "tiers": ["cpu", "remote"],
-            "remote_fetch_timeout_s": 3.0,
-        }
-        connector = kvtier_transfer_config(extra)
-        spec = {"model": model, "phases": phases, "kv_transfer_config": connector, **steps}
-        return run_vllm(spec, vllm_env(KVTIER_STORE__RUN_DIR=str(run_dir)))
+        return run(model, phases, run_dir, store, index, engine_args=steps)
 
     reference, metrics_b = engine(
         [{"op": "generate", "prompts": [prompt], "prompt_logprobs": True}, {"op": "metrics"}], b
