@@ -56,9 +56,10 @@ def poison_flow(
     extra: dict | None = None,
     seed: int = 1,
 ) -> DrillResult:
-    """One instance: A, reset, B with ``fault`` armed for every load; then, fault off and GPU
-    cache reset, A again (restoring what the fault made the store drop), reset, and B from
-    DRAM: whatever the faulty phase committed is read back and compared."""
+    """One instance: A (twice, reset between), reset, B with ``fault`` armed for every load;
+    then, fault off and GPU cache reset, A again (restoring what the fault made the store
+    drop), reset, and B from DRAM: whatever the faulty phase committed is read back and
+    compared."""
     result = DrillResult("", "")
     prompts = ctx.prompts(seed)
     store = drill_store(ctx)
@@ -68,17 +69,22 @@ def poison_flow(
         # (else a B that finds nothing to load never meets the fault, and the drill counts one
         # recompute too few; with verify_loads a lookup ends before an unsummed chunk)
         settled = SETTLE | {"address": store.address, "pid": store.pid}
-        phases = [generate(prompts.a), settled, RESET, fault(store) | {"every": True}]
-        phases += [generate(prompts.b), live_leases(store), DISARM, RESET, generate(prompts.a)]
-        phases += [SETTLE, RESET, generate(prompts.b), live_leases(store), METRICS]
+        # A twice, vLLM's cache reset between: the second pass loads what the first stored
+        # and stores what it did not (a save that failed on a loaded 2-core host left a B
+        # with nothing to load, which never met the fault: a CI run counted 0 recomputes)
+        phases = [generate(prompts.a), settled, RESET, generate(prompts.a), settled, RESET]
+        phases += [fault(store) | {"every": True}, generate(prompts.b), live_leases(store)]
+        phases += [DISARM, RESET, generate(prompts.a), SETTLE, RESET, generate(prompts.b)]
+        phases += [live_leases(store), METRICS]
         out = ctx.vllm(phases, config)
         reference = ctx.reference(prompts.a + prompts.b)
         tally(result, out[0], prompts.a, reference)
-        tally(result, out[4], prompts.b, reference, timed=True)
-        tally(result, out[8], prompts.a, reference)
-        tally(result, out[11], prompts.b, reference)
+        tally(result, out[3], prompts.a, reference)
+        tally(result, out[7], prompts.b, reference, timed=True)
+        tally(result, out[11], prompts.a, reference)
+        tally(result, out[14], prompts.b, reference)
         add_counters(result, out[-1])
-        result.leaked_leases = max(out[5], out[12], leases_at_exit(store))
+        result.leaked_leases = max(out[8], out[15], leases_at_exit(store))
     finally:
         store.stop()
     return result
